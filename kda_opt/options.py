@@ -1,0 +1,18 @@
+"""Options that travel through the pipeline as one frozen value instead of loose arguments."""
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    """How stage 1 turns the gate input g into the per-channel log-decay a (SPEC §1).
+
+    in_kernel:   g is raw and is activated here; otherwise g already is a (≤ 0).
+    lower_bound: with in_kernel, selects a = lower_bound · sigmoid(exp(A_log) · (g + dt_bias));
+                 None selects a = -exp(A_log) · softplus(g + dt_bias).
+    safe_gate:   the caller promises a ≥ lower_bound, so exp of in-chunk gate differences stays
+                 bounded and the intra-chunk products may run on tensor cores in 16-bit.
+    """
+
+    in_kernel: bool = False
+    lower_bound: float | None = None
+    safe_gate: bool = False

@@ -1,0 +1,145 @@
+"""Float64 truth for every stage of the pipeline, in plain torch (CPU or GPU).
+
+Recurrence (SPEC §1), per batch b and value head h, state S [K, V]:
+    S ← Diag(exp a_t) S;  S ← S + β_t k_t (v_t − k_tᵀ S)ᵀ;  o_t = (scale · q_t)ᵀ S
+Chunked form (SPEC §2), chunk C: Γ = in-chunk cumsum of a, Akk, Aqk, Tm = (I + Akk)⁻¹ Diag(β),
+W = Tm (exp Γ ⊙ k), U = Tm v, then chunk by chunk V' = U − W S, O = (q ⊙ exp Γ) S + Aqk V',
+S ← Diag(exp Γ_last) S + (k ⊙ exp(Γ_last − Γ))ᵀ V'.
+Shapes follow FLA: q, k [B, T, H, K]; v [B, T, HV, V]; a, Γ [B, T, HV, K]; β [B, T, HV];
+chunk matrices [B, T, HV, C] (row per token, column = position in its chunk); state [B, HV, K, V].
+GVA: value head hv reads q/k head hv // (HV / H). Every function returns float64.
+"""
+import torch
+import torch.nn.functional as F
+
+
+def activate_gate(g, A_log=None, dt_bias=None, lower_bound=None):
+    """Raw gate g [B, T, HV, K] → log-decay a ≤ 0, as FLA 0.6.0's in-kernel gate (SPEC §1)."""
+    HV, K = g.shape[-2:]
+    x = g.double()
+    if dt_bias is not None:
+        x = x + dt_bias.double().view(HV, K)
+    rate = None if A_log is None else A_log.double().view(HV, 1).exp()
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(x if rate is None else rate * x)
+    if rate is None:
+        raise ValueError("the softplus gate needs A_log")
+    return -rate * F.softplus(x)
+
+
+def _expand_heads(x, HV):
+    """q/k [B, T, H, K] → [B, T, HV, K] for grouped value heads (each qk head serves HV / H)."""
+    return x.double().repeat_interleave(HV // x.shape[2], dim=2)
+
+
+def recurrent_kda(q, k, v, a, beta, scale=None, initial_state=None):
+    """Token-by-token recurrence; returns o [B, T, HV, V] and the final state [B, HV, K, V]."""
+    B, T, HV, V = v.shape
+    K = q.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    q, k = _expand_heads(q, HV) * scale, _expand_heads(k, HV)
+    v, a, beta = v.double(), a.double(), beta.double()
+    S = q.new_zeros(B, HV, K, V)
+    if initial_state is not None:
+        S = S + initial_state.double()
+    o = q.new_empty(B, T, HV, V)
+    for t in range(T):
+        S = S * a[:, t].exp()[..., None]
+        err = v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], S)
+        S = S + torch.einsum("bhk,bhv->bhkv", beta[:, t, :, None] * k[:, t], err)
+        o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], S)
+    return o, S
+
+
+def _chunks(x, C):
+    """[B, T, H, ...] → [B, H, NT, C, ...], zero-padding the tail chunk."""
+    T = x.shape[1]
+    NT = -(-T // C)
+    pad = [0, 0] * (x.dim() - 2) + [0, NT * C - T]
+    x = F.pad(x.double(), pad)
+    x = x.view(x.shape[0], NT, C, *x.shape[2:])
+    return x.movedim(3, 1)
+
+
+def _unchunk(x, T):
+    """[B, H, NT, C, ...] → [B, T, H, ...], dropping the tail padding."""
+    x = x.movedim(1, 3)
+    return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :T]
+
+
+def _valid(T, C, device):
+    """[NT, C] mask of the positions that exist (the tail chunk is partial)."""
+    NT = -(-T // C)
+    return (torch.arange(NT * C, device=device) < T).view(NT, C)
+
+
+def chunk_cumsum(a, chunk_size=64):
+    """Γ: inclusive cumsum of a inside each chunk, [B, T, HV, K] (natural log)."""
+    return _unchunk(_chunks(a, chunk_size).cumsum(3), a.shape[1])
+
+
+def intra_chunk(q, k, gamma, beta, scale, chunk_size=64):
+    """Aqk (i ≥ j, includes scale) and Akk (i > j, includes β_i), each [B, T, HV, C]."""
+    T, HV, C = q.shape[1], gamma.shape[2], chunk_size
+    qc, kc = _chunks(_expand_heads(q, HV), C), _chunks(_expand_heads(k, HV), C)
+    gc, bc = _chunks(gamma, C), _chunks(beta, C)
+    valid = _valid(T, C, q.device)
+    # decay[..., i, j, d] = exp(Γ_i − Γ_j), kept only where it is used (j ≤ i, both valid).
+    keep = torch.tril(torch.ones(C, C, dtype=torch.bool, device=q.device))
+    keep = keep & valid[:, :, None] & valid[:, None, :]
+    diff = (gc[..., :, None, :] - gc[..., None, :, :]).masked_fill(~keep[..., None], float("-inf"))
+    decay = diff.exp()
+    Aqk = scale * torch.einsum("bhnid,bhnjd,bhnijd->bhnij", qc, kc, decay)
+    Akk = torch.einsum("bhnid,bhnjd,bhnijd->bhnij", kc, kc, decay)
+    Akk = (bc[..., None] * Akk).tril(-1)
+    return _unchunk(Aqk, T), _unchunk(Akk, T)
+
+
+def solve(Akk, beta, chunk_size=64):
+    """Tm = (I + Akk)⁻¹ · Diag(β) per chunk, [B, T, HV, C]."""
+    T, C = Akk.shape[1], chunk_size
+    A, bc = _chunks(Akk, C), _chunks(beta, C)
+    eye = torch.eye(C, dtype=A.dtype, device=A.device)
+    inv = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
+    Tm = inv * bc[..., None, :]
+    return _unchunk(Tm * _valid(T, C, A.device)[:, None, :], T)
+
+
+def wu(Tm, k, v, gamma, chunk_size=64):
+    """W = Tm (exp Γ ⊙ k) [B, T, HV, K] and U = Tm v [B, T, HV, V]."""
+    T, HV, C = v.shape[1], v.shape[2], chunk_size
+    Tc = _chunks(Tm, C)
+    kc = _chunks(_expand_heads(k, HV), C)
+    W = Tc @ (_chunks(gamma, C).exp() * kc)
+    U = Tc @ _chunks(v, C)
+    return _unchunk(W, T), _unchunk(U, T)
+
+
+def state_pass(q, k, W, U, Aqk, gamma, scale, initial_state=None, chunk_size=64):
+    """The chunk-to-chunk recurrence: o [B, T, HV, V] and the final state [B, HV, K, V]."""
+    B, T, HV, V = U.shape
+    K, C = q.shape[-1], chunk_size
+    qc, kc = _chunks(_expand_heads(q, HV), C), _chunks(_expand_heads(k, HV), C)
+    Wc, Uc, Ac, gc = _chunks(W, C), _chunks(U, C), _chunks(Aqk, C), _chunks(gamma, C)
+    S = qc.new_zeros(B, HV, K, V)
+    if initial_state is not None:
+        S = S + initial_state.double()
+    oc = torch.empty_like(Uc)
+    for n in range(Uc.shape[2]):
+        last = min(C, T - n * C) - 1
+        g, g_last = gc[:, :, n], gc[:, :, n, last]
+        v_new = Uc[:, :, n] - Wc[:, :, n] @ S
+        oc[:, :, n] = (scale * qc[:, :, n] * g.exp()) @ S + Ac[:, :, n] @ v_new
+        k_dec = kc[:, :, n] * (g_last[:, :, None] - g).exp()
+        S = g_last.exp()[..., None] * S + k_dec.transpose(-1, -2) @ v_new
+    return _unchunk(oc, T), S
+
+
+def chunked_kda(q, k, v, a, beta, scale=None, initial_state=None, chunk_size=64):
+    """The whole chunked form, stage by stage; equals recurrent_kda up to float64 rounding."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    gamma = chunk_cumsum(a, chunk_size)
+    Aqk, Akk = intra_chunk(q, k, gamma, beta, scale, chunk_size)
+    Tm = solve(Akk, beta, chunk_size)
+    W, U = wu(Tm, k, v, gamma, chunk_size)
+    return state_pass(q, k, W, U, Aqk, gamma, scale, initial_state, chunk_size)
