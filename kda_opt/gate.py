@@ -1,0 +1,69 @@
+"""Stage 1: gate activation, chunk-local cumsum and the change to log2 units, in one Triton kernel.
+
+    a = lower_bound · sigmoid(exp(A_log) · (g + dt_bias))    (lower_bound given; A_log optional)
+    a = −exp(A_log) · softplus(g + dt_bias)                  (otherwise)
+    a = g                                                    (gate not activated in kernel)
+    Γ_t = Σ_{s ≤ t in t's chunk} a_s / ln 2                  (log2 units: later stages use exp2)
+In: g [B, T, HV, K] (any float dtype), A_log [HV] fp32, dt_bias [HV·K] fp32.  Out: Γ [B, T, HV, K] fp32.
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .options import GateConfig
+
+RCP_LN2 = 1.0 / math.log(2.0)
+
+# Gate modes, resolved once by the launcher from the GateConfig.
+PREACTIVATED: tl.constexpr = tl.constexpr(0)
+SIGMOID: tl.constexpr = tl.constexpr(1)
+SOFTPLUS: tl.constexpr = tl.constexpr(2)
+
+
+@triton.jit
+def gate_cumsum_kernel(
+    g, A_log, dt_bias, gcum,       # [B, T, HV, K], [HV], [HV·K], [B, T, HV, K]
+    T, lower_bound,
+    HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+    MODE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    i_bh, i_t, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_bh % HV
+    o_t = i_t * C + tl.arange(0, C)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_tk = (o_t[:, None] < T) & (o_k[None, :] < K)
+    # Row t of head (b, h) sits at ((b·T + t)·HV + h)·K; the batch index folds into i_bh // HV.
+    o_tk = ((i_bh // HV * T + o_t[:, None]).to(tl.int64) * HV + i_h) * K + o_k[None, :]
+    b_x = tl.load(g + o_tk, mask=m_tk, other=0.0).to(tl.float32)
+    if MODE != PREACTIVATED:
+        if HAS_BIAS:
+            b_x += tl.load(dt_bias + i_h * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
+        if HAS_A:
+            b_rate = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        if MODE == SIGMOID:
+            if HAS_A:
+                b_x = b_x * b_rate
+            b_x = lower_bound * tl.sigmoid(b_x)
+        else:
+            # softplus(x) = max(x, 0) + log(1 + exp(−|x|)): no overflow for large x.
+            b_x = -b_rate * (tl.maximum(b_x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(b_x))))
+    # Rows past T were loaded as 0 and activate to a finite value; they are never stored.
+    b_g = tl.cumsum(b_x, axis=0) * 1.4426950408889634  # 1 / ln 2
+    tl.store(gcum + o_tk, b_g, mask=m_tk)
+
+
+def gate_cumsum(g: torch.Tensor, gate: GateConfig, A_log=None, dt_bias=None, chunk_size: int = 64):
+    """Γ = chunk-local cumsum of the activated gate, in log2 units: [B, T, HV, K] float32."""
+    B, T, HV, K = g.shape
+    mode = PREACTIVATED if not gate.in_kernel else SIGMOID if gate.lower_bound is not None else SOFTPLUS
+    gcum = torch.empty(B, T, HV, K, dtype=torch.float32, device=g.device)
+    BK = min(64, triton.next_power_of_2(K))
+    grid = (B * HV, triton.cdiv(T, chunk_size), triton.cdiv(K, BK))
+    gate_cumsum_kernel[grid](
+        g, A_log, dt_bias, gcum, T, float(gate.lower_bound or 0.0),
+        HV=HV, K=K, C=chunk_size, BK=BK,
+        MODE=mode, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
+    )
+    return gcum

@@ -1,0 +1,58 @@
+"""Stage 1 (gate activation + chunk cumsum, log2 units) against the reference, every gate mode."""
+import math
+
+import pytest
+import torch
+
+from kda_opt import reference as ref
+from kda_opt.gate import gate_cumsum
+from kda_opt.options import GateConfig
+from tests.conftest import gpu, kernel_device, rel_err
+
+MODES = {
+    "sigmoid": (GateConfig(in_kernel=True, lower_bound=-5.0, safe_gate=True), True, True),
+    "sigmoid_no_A": (GateConfig(in_kernel=True, lower_bound=-3.0), False, True),
+    "sigmoid_no_bias": (GateConfig(in_kernel=True, lower_bound=-5.0), True, False),
+    "softplus": (GateConfig(in_kernel=True), True, True),
+    "preactivated": (GateConfig(), False, False),
+}
+
+
+def expected_gcum(g, gate, A_log, dt_bias, C):
+    a = ref.activate_gate(g, A_log, dt_bias, gate.lower_bound) if gate.in_kernel else g.double()
+    return ref.chunk_cumsum(a, C) / math.log(2.0)
+
+
+def run_case(B, T, HV, K, mode, dtype, device, C=64):
+    gate, has_a, has_bias = MODES[mode]
+    gen = torch.Generator().manual_seed(B * 1000 + T)
+    g = (3 * torch.randn(B, T, HV, K, generator=gen)).to(dtype)
+    if mode == "preactivated":
+        g = -torch.rand(B, T, HV, K, generator=gen).to(dtype)
+    A_log = torch.randn(HV, generator=gen) if has_a else None
+    dt_bias = torch.randn(HV * K, generator=gen) if has_bias else None
+    to = lambda x: None if x is None else x.to(device)
+    out = gate_cumsum(to(g), gate, to(A_log), to(dt_bias), C)
+    assert out.dtype == torch.float32 and out.shape == (B, T, HV, K)
+    return rel_err(out, expected_gcum(g, gate, A_log, dt_bias, C))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 130])
+def test_gate_interpreter_or_gpu(mode, T):
+    """Tier (b) on CPU under the interpreter (float32), or directly on the GPU when there is one."""
+    assert run_case(2, T, 3, 32, mode, torch.float32, kernel_device()) < 1e-6
+
+
+@pytest.mark.parametrize("K", [20, 96])
+def test_gate_ragged_head_dim(K):
+    """K not a multiple of the kernel's K tile: the masked columns must be neither read nor written."""
+    assert run_case(1, 70, 2, K, "sigmoid", torch.float32, kernel_device()) < 1e-6
+
+
+@gpu
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("T", [1, 1000, 8192])
+def test_gate_gpu(mode, dtype, T):
+    assert run_case(2, T, 4, 128, mode, dtype, "cuda") < 1e-5
