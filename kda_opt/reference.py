@@ -143,3 +143,12 @@ def chunked_kda(q, k, v, a, beta, scale=None, initial_state=None, chunk_size=64)
     Tm = solve(Akk, beta, chunk_size)
     W, U = wu(Tm, k, v, gamma, chunk_size)
     return state_pass(q, k, W, U, Aqk, gamma, scale, initial_state, chunk_size)
+
+
+def reference_forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                      use_gate_in_kernel=False, A_log=None, dt_bias=None, safe_gate=False,
+                      lower_bound=None, chunk_size=64):
+    """kda_forward's arguments → the float64 recurrence's (o, final state or None)."""
+    a = activate_gate(g, A_log, dt_bias, lower_bound) if use_gate_in_kernel else g.double()
+    o, S = recurrent_kda(q, k, v, a, beta, scale, initial_state)
+    return o, (S if output_final_state else None)

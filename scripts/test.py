@@ -1,6 +1,14 @@
-"""Correctness and benchmark CLI for kda_opt (GPU machine): `python scripts/test.py --test benchmark`."""
+"""Correctness and benchmark CLI for kda_opt on a GPU machine; `--help` lists the options.
+
+    python scripts/test.py --test {naive,fla,benchmark,all} [--sweep] ...
+The logic lives in kda_opt/bench.py (also `python -m kda_opt.bench`).
+"""
+import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from kda_opt.bench import main  # noqa: E402
+
 if __name__ == "__main__":
-    print("scripts/test.py: not yet — the correctness/benchmark CLI is still being built", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(main())

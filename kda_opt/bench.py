@@ -1,0 +1,295 @@
+"""Correctness checks and benchmark of kda_forward against FLA chunk_kda and the float64 recurrence.
+
+Entry points: `python scripts/test.py ...` and `python -m kda_opt.bench ...` (same options).
+    --test naive      kda_forward vs the float64 recurrence (relative errors of o and final state)
+    --test fla        kda_forward vs FLA chunk_kda on the full shape, with both errors vs float64
+    --test benchmark  FLA and kda_forward on the same inputs, alternating, medians of do_bench
+    --test all        the three above (default); --sweep runs the SPEC §5 sweep instead
+Exit code: 0 when every check passes, 1 when a correctness check fails, 2 when the machine cannot
+run the request (no GPU, no fla-core).
+"""
+import argparse
+import csv
+import dataclasses
+import importlib.util
+import math
+import os
+import sys
+
+import torch
+
+from .inputs import random_inputs
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# SPEC §5: the correctness bound is max(2 × FLA's error, ERROR_FLOOR).
+ERROR_FLOOR = 5e-3
+# The float64 recurrence walks T token by token over [B, HV, K, V] float64 states: keep it under
+# this many state elements × tokens (about a second on an H100) by trimming T, and say so.
+NAIVE_BUDGET = 2 ** 33
+# SPEC §5 sweep: (B, T, H) at K = V = 128, each with the safe and the softplus gate.
+SWEEP_SHAPES = list(dict.fromkeys([(1, 8192, 96), (1, 2048, 16), (8, 4096, 32), (1, 32768, 32),
+                                   (2, 16384, 64)] + [(1, 1024 * 2 ** i, 32) for i in range(7)]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    B: int
+    T: int
+    H: int
+    K: int
+    gate: str            # "safe", "softplus" or "preactivated" (see inputs.GATE_MODES)
+    lower_bound: float
+    dtype: torch.dtype
+    seed: int
+
+    @property
+    def label(self):
+        return f"B={self.B} T={self.T} H={self.H} K=V={self.K} {self.gate}"
+
+    def inputs(self, T=None, **kw):
+        args = random_inputs(self.B, T or self.T, self.H, self.K, gate=self.gate, dtype=self.dtype,
+                             seed=self.seed, **kw)
+        if "lower_bound" in args:
+            args["lower_bound"] = self.lower_bound
+        return args
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="scripts/test.py", description=__doc__.splitlines()[0])
+    p.add_argument("--test", choices=["naive", "fla", "benchmark", "all"], default="all")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--num-heads", type=int, default=96)
+    p.add_argument("--head-dim", type=int, default=128, help="K = V")
+    p.add_argument("--chunk-size", type=int, default=64)
+    p.add_argument("--no-gate-in-kernel", dest="gate_in_kernel", action="store_false",
+                   help="pass g as the log-decay itself, drawn in (-1, 0] (default: raw gate "
+                        "activated in kernel); the safe-gate options then do not apply")
+    p.add_argument("--no-safe-gate", dest="safe_gate", action="store_false",
+                   help="softplus gate, unbounded decay (default: safe gate, sigmoid with lower bound)")
+    p.add_argument("--lower-bound", type=float, default=-5.0)
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
+    p.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms")
+    p.add_argument("--sweep", action="store_true", help="SPEC §5 sweep → profiles/benchmark_<gpu>.csv/.png")
+    p.add_argument("--out-dir", default="profiles", help="where --sweep writes its CSV and PNG")
+    args = p.parse_args(argv)
+    if args.chunk_size != 64:
+        p.error("--chunk-size: kda_opt computes chunk size 64 only")
+    return args
+
+
+def case_from_args(args, B=None, T=None, H=None, gate=None):
+    if gate is None:
+        gate = "preactivated" if not args.gate_in_kernel else "safe" if args.safe_gate else "softplus"
+    return Case(B or args.batch_size, T or args.seq_len, H or args.num_heads, args.head_dim, gate,
+                args.lower_bound, DTYPES[args.dtype], args.seed)
+
+
+# ---- floors: the fewest bytes and FLOPs the forward needs ----
+
+def min_bytes(c: Case) -> int:
+    """Each input read once, each output written once: q, k, v, g, o, β and the final state."""
+    elt = torch.finfo(c.dtype).bits // 8
+    n = c.B * c.T * c.H
+    return n * (4 * c.K * elt + c.K * elt + elt) + c.B * c.H * c.K * c.K * 4
+
+
+def min_flops(c: Case) -> int:
+    """Matrix FLOPs of the chunked form per chunk and head (C = 64): Aqk and Akk 2·C²K each, W 2·C²K,
+    U 2·C²V, V' = WS, qS and the state update 2·CKV each, Aqk·V' 2·C²V (triangles counted full)."""
+    C, K, V = 64, c.K, c.K
+    per_chunk = 3 * 2 * C * C * K + 2 * 2 * C * C * V + 3 * 2 * C * K * V
+    return c.B * c.H * math.ceil(c.T / C) * per_chunk
+
+
+def measure_ceilings():
+    """Memory bandwidth (bytes read + written) and bf16 matrix rate, measured on this GPU."""
+    from triton.testing import do_bench
+    x = torch.empty(2 ** 28, dtype=torch.float32, device="cuda")
+    y = torch.empty_like(x)
+    bw = 2 * x.numel() * 4 / (do_bench(lambda: y.copy_(x), return_mode="median") * 1e-3)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn_like(a)
+    rate = 2 * 8192 ** 3 / (do_bench(lambda: a @ b, return_mode="median") * 1e-3)
+    return bw, rate
+
+
+# ---- the three tests ----
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def naive_T(c: Case) -> int:
+    return max(1, min(c.T, NAIVE_BUDGET // (c.B * c.H * c.K * c.K)))
+
+
+def check_naive(c: Case, fla=None):
+    """Errors of kda_forward (and FLA's, when given) against the float64 recurrence."""
+    from . import kda_forward
+    from .reference import reference_forward
+    T = naive_T(c)
+    if T < c.T:
+        print(f"  naive: T trimmed from {c.T} to {T} to keep the float64 recurrence quick")
+    args = c.inputs(T=T, initial_state=True)
+    ref_o, ref_s = reference_forward(**args)
+    o, s = kda_forward(**args)
+    row = {"o": rel_err(o, ref_o), "state": rel_err(s, ref_s)}
+    if fla is not None:
+        fo, fs = fla(**args)
+        row.update(fla_o=rel_err(fo, ref_o), fla_state=rel_err(fs, ref_s))
+    del ref_o, ref_s
+    bound = lambda key: max(2 * row.get("fla_" + key, 0.0), ERROR_FLOOR)
+    ok = row["o"] <= bound("o") and row["state"] <= bound("state")
+    text = f"  naive (T={T}): o {row['o']:.2e}  state {row['state']:.2e}"
+    if fla is not None:
+        text += f"   | FLA: o {row['fla_o']:.2e}  state {row['fla_state']:.2e}"
+    print(f"{text}   bound max(2×FLA, {ERROR_FLOOR:g}) → {'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+def check_fla(c: Case, fla):
+    """kda_forward vs FLA chunk_kda on the full shape (both in the same precision)."""
+    from . import kda_forward
+    args = c.inputs(initial_state=True)
+    o, s = kda_forward(**args)
+    fo, fs = fla(**args)
+    eo, es = rel_err(o, fo), rel_err(s, fs)
+    ok = eo <= 2 * ERROR_FLOOR and es <= 2 * ERROR_FLOOR
+    print(f"  vs FLA ({c.label}): o {eo:.2e}  state {es:.2e}   → {'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+def benchmark(c: Case, fla, warmup, rep, ceilings):
+    """Median ms of FLA and kda_forward on the same inputs, alternating; returns a CSV row."""
+    from triton.testing import do_bench
+    from . import kda_forward
+    args = c.inputs()
+    runs = {"fla": lambda: fla(**args), "kda_opt": lambda: kda_forward(**args)}
+    for f in runs.values():  # JIT and FLA's autotuning stay out of the timings
+        f()
+    torch.cuda.synchronize()
+    times = {name: [] for name in runs}
+    for _ in range(3):
+        for name, f in runs.items():
+            times[name].append(do_bench(f, warmup=warmup, rep=rep, return_mode="median"))
+    fla_ms, ours_ms = (sorted(times[n])[1] for n in runs)
+    bw, rate = ceilings
+    nbytes, flops = min_bytes(c), min_flops(c)
+    row = dict(B=c.B, T=c.T, H=c.H, K=c.K, V=c.K, mode=c.gate, fla_ms=fla_ms, kda_opt_ms=ours_ms,
+               speedup=fla_ms / ours_ms, tbps=nbytes / (ours_ms * 1e-3) / 1e12,
+               tflops=flops / (ours_ms * 1e-3) / 1e12,
+               bytes_floor_pct=100 * nbytes / bw / (ours_ms * 1e-3),
+               flops_floor_pct=100 * flops / rate / (ours_ms * 1e-3))
+    print(f"  {c.label}: FLA {fla_ms:.3f} ms  kda_opt {ours_ms:.3f} ms  speedup {row['speedup']:.2f}×  "
+          f"{row['tbps']:.2f} TB/s ({row['bytes_floor_pct']:.0f}% of bytes floor)  "
+          f"{row['tflops']:.0f} TFLOP/s ({row['flops_floor_pct']:.0f}% of FLOP floor)")
+    return row
+
+
+# ---- sweep output ----
+
+CSV_FIELDS = ["B", "T", "H", "K", "V", "mode", "fla_ms", "kda_opt_ms", "speedup", "tbps", "tflops",
+              "bytes_floor_pct", "flops_floor_pct"]
+
+
+def write_csv(rows, path):
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in r.items()})
+
+
+def write_plot(rows, path, title):
+    """ms vs T at H=32 for both systems and gate modes, speedup on a second axis."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=80)
+    ax2 = ax.twinx()
+    for mode, style in (("safe", "-"), ("softplus", "--")):
+        pts = sorted((r["T"], r) for r in rows if r["mode"] == mode and r["H"] == 32 and r["B"] == 1)
+        if not pts:
+            continue
+        Ts = [t for t, _ in pts]
+        ax.plot(Ts, [r["fla_ms"] for _, r in pts], "o" + style, color="tab:gray", label=f"FLA ({mode})")
+        ax.plot(Ts, [r["kda_opt_ms"] for _, r in pts], "o" + style, color="tab:blue", label=f"kda_opt ({mode})")
+        ax2.plot(Ts, [r["speedup"] for _, r in pts], "x" + style, color="tab:green", label=f"speedup ({mode})")
+    ax.set(xscale="log", yscale="log", xlabel="T (B=1, H=32, K=V=128)", ylabel="ms", title=title)
+    ax2.set_ylabel("speedup over FLA", color="tab:green")
+    ax.legend(loc="upper left", fontsize=7)
+    ax2.legend(loc="lower right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def gpu_tag():
+    return torch.cuda.get_device_name().replace("NVIDIA ", "").split()[0].lower()
+
+
+# ---- main ----
+
+def refuse(msg):
+    print(f"scripts/test.py: {msg}", file=sys.stderr)
+    return 2
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        return refuse("needs a CUDA GPU (none found); the CPU test suite is `bash scripts/check.sh`")
+    needs_fla = args.sweep or args.test in ("fla", "benchmark", "all")
+    if needs_fla and importlib.util.find_spec("fla") is None:
+        return refuse(f"--test {args.test} needs fla-core (pip install 'kda-opt[bench]')")
+    fla = None
+    if importlib.util.find_spec("fla") is not None:
+        os.environ.setdefault("FLA_FLASH_KDA", "0")  # keep FLA on its own Triton path
+        from fla.ops.kda import chunk_kda as fla
+    from triton import __version__ as triton_version
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton_version}, "
+          f"FLA_FLASH_KDA={os.environ.get('FLA_FLASH_KDA')}")
+
+    ok = True
+    if args.sweep:
+        ceilings = measure_ceilings()
+        rows = []
+        cases = [case_from_args(args, B, T, H, gate) for gate in ("safe", "softplus")
+                 for B, T, H in SWEEP_SHAPES]
+        for i, c in enumerate(cases, 1):
+            print(f"[{i}/{len(cases)}] {c.label}", flush=True)
+            rows.append(benchmark(c, fla, args.warmup, args.rep, ceilings))
+        os.makedirs(args.out_dir, exist_ok=True)
+        base = os.path.join(args.out_dir, f"benchmark_{gpu_tag()}")
+        write_csv(rows, base + ".csv")
+        write_plot(rows, base + ".png", f"kda_opt vs FLA chunk_kda, {torch.cuda.get_device_name()}")
+        print(f"wrote {base}.csv and {base}.png")
+        print_table(rows)
+        return 0
+
+    c = case_from_args(args)
+    print(f"# {c.label}, {args.dtype}, lower_bound {c.lower_bound}")
+    if args.test in ("naive", "all"):
+        ok &= check_naive(c, fla)
+    if args.test in ("fla", "all"):
+        ok &= check_fla(c, fla)
+    if args.test in ("benchmark", "all"):
+        print_table([benchmark(c, fla, args.warmup, args.rep, measure_ceilings())])
+    return 0 if ok else 1
+
+
+def print_table(rows):
+    print(f"\n{'B':>2} {'T':>6} {'H':>3} {'mode':>8} {'FLA ms':>8} {'ours ms':>8} {'speedup':>7} "
+          f"{'TB/s':>5} {'TFLOP/s':>7}")
+    for r in rows:
+        print(f"{r['B']:>2} {r['T']:>6} {r['H']:>3} {r['mode']:>8} {r['fla_ms']:>8.3f} "
+              f"{r['kda_opt_ms']:>8.3f} {r['speedup']:>6.2f}× {r['tbps']:>5.2f} {r['tflops']:>7.0f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

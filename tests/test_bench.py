@@ -1,0 +1,80 @@
+"""The benchmark CLI's parsing, defaults, floors, CSV output and refusals (CPU)."""
+import csv
+
+import pytest
+import torch
+
+from kda_opt import bench
+
+
+def test_defaults_match_spec():
+    a = bench.parse_args([])
+    c = bench.case_from_args(a)
+    assert (a.test, c.B, c.T, c.H, c.K, a.chunk_size) == ("all", 1, 8192, 96, 128, 64)
+    assert (c.gate, c.lower_bound, c.dtype) == ("safe", -5.0, torch.bfloat16)
+    assert not a.sweep
+
+
+@pytest.mark.parametrize("flags,gate", [(["--no-safe-gate"], "softplus"), (["--no-gate-in-kernel"], "preactivated"),
+                                        (["--no-gate-in-kernel", "--no-safe-gate"], "preactivated")])
+def test_gate_flags(flags, gate):
+    assert bench.case_from_args(bench.parse_args(flags)).gate == gate
+
+
+def test_options_parse():
+    a = bench.parse_args("--test fla --batch-size 2 --seq-len 100 --num-heads 4 --head-dim 64 "
+                         "--lower-bound -3 --dtype fp16 --seed 7 --warmup 5 --rep 9".split())
+    c = bench.case_from_args(a)
+    assert (a.test, c.B, c.T, c.H, c.K, c.lower_bound, c.dtype, c.seed, a.warmup, a.rep) == (
+        "fla", 2, 100, 4, 64, -3.0, torch.float16, 7, 5, 9)
+    args = c.inputs(device="cpu")
+    assert args["lower_bound"] == -3.0 and args["q"].dtype == torch.float16
+
+
+@pytest.mark.parametrize("bad", [["--chunk-size", "32"], ["--test", "speed"], ["--dtype", "fp8"]])
+def test_bad_options_exit_2(bad):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(bad)
+    assert e.value.code == 2
+
+
+def test_floors_at_default_shape():
+    c = bench.case_from_args(bench.parse_args([]))
+    # SPEC §5: about 1.0 GB and 0.1–0.2 TFLOP at the default shape.
+    assert 0.95e9 < bench.min_bytes(c) < 1.05e9
+    assert 0.1e12 < bench.min_flops(c) < 0.2e12
+
+
+def test_csv_roundtrip(tmp_path):
+    row = dict(B=1, T=2048, H=16, K=128, V=128, mode="safe", fla_ms=1.8, kda_opt_ms=0.5, speedup=3.6,
+               tbps=1.0, tflops=50.0, bytes_floor_pct=30.0, flops_floor_pct=10.0)
+    path = tmp_path / "b.csv"
+    bench.write_csv([row, dict(row, mode="softplus")], path)
+    rows = list(csv.DictReader(open(path)))
+    assert [r["mode"] for r in rows] == ["safe", "softplus"]
+    assert list(rows[0]) == bench.CSV_FIELDS and float(rows[0]["speedup"]) == 3.6
+
+
+def test_plot_is_small(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [dict(B=1, T=t, H=32, K=128, V=128, mode=m, fla_ms=t / 1000, kda_opt_ms=t / 3000, speedup=3.0)
+            for t in (1024, 2048, 4096) for m in ("safe", "softplus")]
+    path = tmp_path / "b.png"
+    bench.write_plot(rows, path, "test")
+    assert 0 < path.stat().st_size < 200_000
+
+
+@pytest.mark.parametrize("test", ["naive", "fla", "benchmark", "all"])
+def test_refuses_without_gpu(monkeypatch, capsys, test):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main(["--test", test]) == 2
+    err = capsys.readouterr().err
+    assert "GPU" in err and len(err.strip().splitlines()) == 1
+
+
+def test_refuses_without_fla(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    real = bench.importlib.util.find_spec
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None if name == "fla" else real(name))
+    assert bench.main(["--test", "benchmark"]) == 2
+    assert "fla-core" in capsys.readouterr().err
