@@ -1,2 +1,9 @@
-"""kda_opt: a fused forward (prefill) engine for Kimi Delta Attention on NVIDIA Hopper."""
+"""kda_opt: a fused forward (prefill) engine for Kimi Delta Attention on NVIDIA Hopper.
+
+`kda_forward` is the entry point (same arguments and function as FLA 0.6.0's `chunk_kda`);
+`kda_opt.reference` holds the float64 truth every stage is tested against.
+"""
+from .forward import kda_forward
+
+__all__ = ["kda_forward"]
 __version__ = "0.1.0"

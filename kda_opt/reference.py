@@ -64,7 +64,7 @@ def _chunks(x, C):
 def _unchunk(x, T):
     """[B, H, NT, C, ...] → [B, T, H, ...], dropping the tail padding."""
     x = x.movedim(1, 3)
-    return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :T]
+    return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :T].contiguous()
 
 
 def _valid(T, C, device):

@@ -1,0 +1,159 @@
+"""`kda_forward`: validate once, then launch the four stages of SPEC §3 on the current stream.
+
+    Γ        = gate_cumsum(g)                 stage 1, Triton   (kda_opt/gate)
+    Aqk, Akk = intra_chunk(q, k, Γ, β)        stage 2, Triton   (kda_opt/intra)
+    Tm       = solve(Akk, β)                  stage 3, Triton   (kda_opt/solve)
+    o, S     = wuso(q, k, v, Γ, Tm, Aqk, S0)  stage 4, cuTile   (kda_opt/wuso)
+Each stage runs inside an NVTX range of the `kda_opt` domain; nothing here waits on the device.
+"""
+import functools
+
+import nvtx
+import torch
+
+from .gate import gate_cumsum
+from .intra import intra_chunk
+from .options import GateConfig
+from .solve import solve
+from .wuso import wuso
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SUPPORTED_HEAD_DIMS = (64, 128)
+SAFE_LOWER_BOUND = (-5.0, 0.0)  # the range in which safe_gate keeps in-chunk exponents bounded
+
+nvtx_range = functools.partial(nvtx.annotate, domain="kda_opt")
+
+
+def kda_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    chunk_size: int = 64,
+):
+    r"""Forward pass of Kimi Delta Attention; the same function as FLA 0.6.0 ``chunk_kda``.
+
+    Per batch and value head, with state S [K, V] (float32) and for each token t:
+    ``S ← Diag(exp a_t) S``, ``S ← S + β_t k_t (v_t − k_tᵀ S)ᵀ``, ``o_t = (scale · q_t)ᵀ S``.
+
+    Args:
+        q, k: ``[B, T, H, K]`` queries and keys, bf16 / fp16 / fp32 (q, k, v of one dtype).
+        v: ``[B, T, HV, V]`` values; ``HV`` a multiple of ``H`` (grouped value heads: value head
+            ``h`` reads q/k head ``h // (HV / H)``).
+        g: ``[B, T, HV, K]`` gate, any float dtype: the raw gate if ``use_gate_in_kernel``, else
+            the log-decay ``a ≤ 0`` itself.
+        beta: ``[B, T, HV]`` delta-rule write strength (post-sigmoid), any float dtype.
+        scale: query scale; default ``K ** -0.5``.
+        initial_state: ``[B, HV, K, V]`` state before token 0; float32 (another float dtype is
+            cast to float32 once). None starts from zero.
+        output_final_state: also return the state after the last token, ``[B, HV, K, V]`` float32.
+        use_gate_in_kernel: activate ``g`` here: ``a = lower_bound · sigmoid(exp(A_log) · (g +
+            dt_bias))`` when ``lower_bound`` is given (A_log optional), else ``a = −exp(A_log) ·
+            softplus(g + dt_bias)`` (A_log required).
+        A_log: ``[HV]`` float32 per-head decay rate (gate in kernel only).
+        dt_bias: ``[HV · K]`` float32 per-channel bias (gate in kernel only; optional).
+        safe_gate: promise that ``a ≥ lower_bound`` with ``lower_bound ∈ [−5, 0)``, which lets the
+            intra-chunk products run on tensor cores in 16-bit. With ``use_gate_in_kernel`` it
+            requires ``lower_bound``.
+        lower_bound: see ``use_gate_in_kernel`` and ``safe_gate``.
+        chunk_size: 64 (the only size this engine computes).
+
+    Returns:
+        ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state as above, or None.
+
+    Inputs that are not contiguous are made contiguous (a copy). Bad inputs raise ValueError or
+    TypeError naming the argument before any kernel runs. No host-device synchronisation.
+    """
+    gate = _validate(q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias,
+                     safe_gate, lower_bound, chunk_size)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if initial_state is not None:
+        initial_state = initial_state.to(torch.float32).contiguous()
+    if gate.in_kernel:
+        A_log = None if A_log is None else A_log.to(torch.float32).contiguous()
+        dt_bias = None if dt_bias is None else dt_bias.to(torch.float32).contiguous()
+    else:
+        A_log = dt_bias = None
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+
+    with nvtx_range("kda_opt/forward"):
+        with nvtx_range("kda_opt/gate"):
+            gcum = gate_cumsum(g, gate, A_log, dt_bias, chunk_size)
+        with nvtx_range("kda_opt/intra"):
+            Aqk, Akk = intra_chunk(q, k, gcum, beta, scale, gate.safe_gate, chunk_size)
+        with nvtx_range("kda_opt/solve"):
+            Tm = solve(Akk, beta, k.dtype, chunk_size)
+        with nvtx_range("kda_opt/wuso"):
+            return wuso(q, k, v, gcum, Tm, Aqk, scale, initial_state, output_final_state, chunk_size)
+
+
+def _validate(q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias,
+              safe_gate, lower_bound, chunk_size) -> GateConfig:
+    """Checks every argument's type, shape, dtype and device; returns the gate configuration."""
+    named = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+    optional = {"initial_state": initial_state, "A_log": A_log, "dt_bias": dt_bias}
+    for name, x in {**named, **{n: x for n, x in optional.items() if x is not None}}.items():
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    for name, ndim in (("q", 4), ("k", 4), ("v", 4), ("g", 4), ("beta", 3)):
+        if named[name].dim() != ndim:
+            raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(named[name].shape)}")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    expected = {"k": (B, T, H, K), "v": (B, T, HV, V), "g": (B, T, HV, K), "beta": (B, T, HV)}
+    for name, shape in expected.items():
+        if tuple(named[name].shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)} (from q {list(q.shape)} and v "
+                             f"{list(v.shape)}), got {list(named[name].shape)}")
+    if B < 1 or T < 1 or H < 1:
+        raise ValueError(f"q must have B, T, H ≥ 1, got shape {list(q.shape)}")
+    if HV % H != 0 or HV < 1:
+        raise ValueError(f"v's head count ({HV}) must be a positive multiple of q's ({H})")
+    if K not in SUPPORTED_HEAD_DIMS or V not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dims K (q, k) and V (v) must each be one of {SUPPORTED_HEAD_DIMS}, "
+                         f"got K={K}, V={V}")
+    for name in ("q", "k", "v"):
+        if named[name].dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must be bfloat16, float16 or float32, got {named[name].dtype}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if initial_state is not None and tuple(initial_state.shape) != (B, HV, K, V):
+        raise ValueError(f"initial_state must have shape {[B, HV, K, V]}, got {list(initial_state.shape)}")
+    if chunk_size != 64:
+        raise ValueError(f"chunk_size must be 64, got {chunk_size}")
+
+    if use_gate_in_kernel:
+        if A_log is None and lower_bound is None:
+            raise ValueError("use_gate_in_kernel=True needs A_log (softplus gate) or lower_bound "
+                             "(sigmoid gate); got neither")
+        if A_log is not None and A_log.numel() != HV:
+            raise ValueError(f"A_log must have {HV} elements (one per value head), got shape "
+                             f"{list(A_log.shape)}")
+        if dt_bias is not None and dt_bias.numel() != HV * K:
+            raise ValueError(f"dt_bias must have HV·K = {HV * K} elements, got shape {list(dt_bias.shape)}")
+        if safe_gate and lower_bound is None:
+            raise ValueError("safe_gate=True with use_gate_in_kernel=True needs lower_bound")
+    elif A_log is not None or dt_bias is not None:
+        raise ValueError("A_log and dt_bias are used only with use_gate_in_kernel=True")
+    if safe_gate and lower_bound is not None and not SAFE_LOWER_BOUND[0] <= lower_bound < SAFE_LOWER_BOUND[1]:
+        raise ValueError(f"safe_gate needs lower_bound in [{SAFE_LOWER_BOUND[0]}, {SAFE_LOWER_BOUND[1]}), "
+                         f"got {lower_bound}")
+
+    device = q.device
+    if device.type != "cuda":
+        raise ValueError(f"q must be on a CUDA device, got {device}")
+    for name, x in {**named, **optional}.items():
+        if x is not None and x.device != device:
+            raise ValueError(f"{name} must be on {device} like q, got {x.device}")
+    return GateConfig(in_kernel=use_gate_in_kernel, lower_bound=lower_bound, safe_gate=safe_gate)
