@@ -107,3 +107,11 @@ def test_agrees_with_fla_naive(T):
                                              output_final_state=True)
     assert rel_err(o_fla, o) < 1e-5
     assert rel_err(S_fla, S) < 1e-5
+
+
+def test_reference_forward_methods_agree():
+    from kda_opt.inputs import random_inputs
+    args = random_inputs(2, 70, 2, 16, HV=4, gate="softplus", dtype=torch.float32, device="cpu", initial_state=True)
+    o_r, s_r = ref.reference_forward(**args)
+    o_c, s_c = ref.reference_forward(**args, method="chunked")
+    assert rel_err(o_c, o_r) < 1e-10 and rel_err(s_c, s_r) < 1e-10
