@@ -73,6 +73,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms")
     p.add_argument("--sweep", action="store_true", help="SPEC §5 sweep → profiles/benchmark_<gpu>.csv/.png")
+    p.add_argument("--sweep-gates", default="safe,softplus",
+                   help="gate modes the sweep runs; its rows replace those of the same shape and mode "
+                        "in an existing CSV, so a sweep can be run in parts")
     p.add_argument("--out-dir", default="profiles", help="where --sweep writes its CSV and PNG")
     args = p.parse_args(argv)
     if args.chunk_size != 64:
@@ -198,6 +201,26 @@ CSV_FIELDS = ["B", "T", "H", "K", "V", "mode", "fla_ms", "kda_opt_ms", "speedup"
               "bytes_floor_pct", "flops_floor_pct"]
 
 
+ROW_KEY = ("B", "T", "H", "K", "mode")
+
+
+def read_csv(path):
+    """Rows of an existing sweep CSV (numbers parsed), or [] if there is none."""
+    if not os.path.exists(path):
+        return []
+    parse = lambda v: v if not v.replace(".", "", 1).replace("-", "", 1).isdigit() else (float(v) if "." in v else int(v))
+    with open(path) as f:
+        return [{k: parse(v) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+def merge_rows(old, new):
+    """old rows with those of the same shape and mode replaced by new ones, sorted by mode, H, B, T."""
+    key = lambda r: tuple(r[k] for k in ROW_KEY)
+    merged = {key(r): r for r in old}
+    merged.update({key(r): r for r in new})
+    return sorted(merged.values(), key=lambda r: (r["mode"], r["H"], r["B"], r["T"]))
+
+
 def write_csv(rows, path):
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
@@ -258,15 +281,15 @@ def main(argv=None) -> int:
     ok = True
     if args.sweep:
         ceilings = measure_ceilings()
-        rows = []
-        cases = [case_from_args(args, B, T, H, gate) for gate in ("safe", "softplus")
+        cases = [case_from_args(args, B, T, H, gate) for gate in args.sweep_gates.split(",")
                  for B, T, H in SWEEP_SHAPES]
-        for i, c in enumerate(cases, 1):
-            print(f"[{i}/{len(cases)}] {c.label}", flush=True)
-            rows.append(benchmark(c, fla, args.warmup, args.rep, ceilings))
         os.makedirs(args.out_dir, exist_ok=True)
         base = os.path.join(args.out_dir, f"benchmark_{gpu_tag()}")
-        write_csv(rows, base + ".csv")
+        rows = read_csv(base + ".csv")
+        for i, c in enumerate(cases, 1):
+            print(f"[{i}/{len(cases)}] {c.label}", flush=True)
+            rows = merge_rows(rows, [benchmark(c, fla, args.warmup, args.rep, ceilings)])
+            write_csv(rows, base + ".csv")  # after every shape: an interrupted sweep keeps its rows
         write_plot(rows, base + ".png", f"kda_opt vs FLA chunk_kda, {torch.cuda.get_device_name()}")
         print(f"wrote {base}.csv and {base}.png")
         print_table(rows)

@@ -78,3 +78,15 @@ def test_refuses_without_fla(monkeypatch, capsys):
     monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None if name == "fla" else real(name))
     assert bench.main(["--test", "benchmark"]) == 2
     assert "fla-core" in capsys.readouterr().err
+
+
+def test_sweep_rows_merge(tmp_path):
+    row = dict(B=1, T=2048, H=16, K=128, V=128, mode="safe", fla_ms=1.8, kda_opt_ms=0.5, speedup=3.6,
+               tbps=1.0, tflops=50.0, bytes_floor_pct=30.0, flops_floor_pct=10.0)
+    path = tmp_path / "b.csv"
+    bench.write_csv([row, dict(row, T=4096)], path)
+    old = bench.read_csv(path)
+    assert old[0]["T"] == 2048 and old[0]["fla_ms"] == 1.8 and old[0]["mode"] == "safe"
+    merged = bench.merge_rows(old, [dict(row, kda_opt_ms=0.25), dict(row, mode="softplus")])
+    assert [(r["T"], r["mode"], r["kda_opt_ms"]) for r in merged] == [
+        (2048, "safe", 0.25), (4096, "safe", 0.5), (2048, "softplus", 0.5)]
