@@ -1,7 +1,6 @@
 """Stage 4, the cuTile W/U/S/O kernel: compiled to sm_90 cubins without a GPU (tier c), and on the
-GPU against the reference state pass fed the same Tm, Aqk and Γ (tier d)."""
+GPU against the float64 state pass fed the same Γ, Tm and Aqk (tier d)."""
 import io
-import math
 
 import pytest
 import torch
@@ -9,67 +8,155 @@ import torch
 import cuda.tile as ct
 from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint, export_kernel
 from kda_opt import reference as ref
-from kda_opt.wuso import launch_config, wuso, wuso_kernel
+from kda_opt.wuso import block_v_for, launch_config, wuso, wuso_kernel
 from tests.conftest import gpu, rel_err
 from tests.stage_inputs import stage_inputs
 
 CT_DTYPES = {torch.bfloat16: ct.bfloat16, torch.float16: ct.float16, torch.float32: ct.float32}
+H100_SMS = 132
+BOUND = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-3}
 
 
-def array(dtype):
-    return ArrayConstraint(CT_DTYPES[dtype], 4, index_dtype=ct.int32, stride_lower_bound_incl=0, alias_groups=(),
-                           may_alias_internally=False, stride_constant=(None, None, None, 1), base_addr_divisible_by=16)
+def _pow2_divisor(n: int, cap: int) -> int:
+    d = 1
+    while d < cap and n % (2 * d) == 0:
+        d *= 2
+    return d
 
 
-def cubin(dtype, H, HV, K, V, has_state, store_state):
-    """The kernel as the launcher specialises it (launch_config's constants), compiled for sm_90."""
-    q, v = torch.empty(1, 64, H, K, device="meta"), torch.empty(1, 64, HV, V, device="meta")
-    _, consts = launch_config(q, v, 64, has_state, store_state)
-    f32 = torch.float32
-    params = [array(dtype), array(dtype), array(dtype), array(f32), array(dtype), array(dtype), array(f32),
-              array(dtype), array(f32), ScalarConstraint(ct.float32), ScalarConstraint(ct.int32),
-              ScalarConstraint(ct.int32), *consts[2:]]
+def constraint(arg):
+    """A launch argument as the JIT specialises it (read off the mangled names in profiles/: unit
+    dimensions constant, shapes divisible by up to 16, strides by up to 8, unit last stride)."""
+    if isinstance(arg, torch.Tensor):
+        return ArrayConstraint(
+            CT_DTYPES[arg.dtype], arg.dim(), index_dtype=ct.int32, stride_lower_bound_incl=0, alias_groups=(),
+            may_alias_internally=False, stride_constant=(None,) * (arg.dim() - 1) + (1,),
+            shape_constant=[1 if n == 1 else None for n in arg.shape],
+            shape_divisible_by=[_pow2_divisor(n, 16) for n in arg.shape],
+            stride_divisible_by=[_pow2_divisor(s, 8) for s in arg.stride()[:-1]] + [1],
+            base_addr_divisible_by=16)
+    return ScalarConstraint(ct.float32) if isinstance(arg, float) else arg
+
+
+def cubin(dtype, K, has_state, store_state, block_v=None, B=1, T=8192, H=96):
+    """The launcher's specialisation (launch_config on meta tensors of the SPEC §5 default shape),
+    compiled for sm_90; block_v None takes the launcher's choice on an H100."""
+    meta = lambda *shape, dt=dtype: torch.empty(*shape, dtype=dt, device="meta")
+    q, k, v, o = (meta(B, T, H, K) for _ in range(4))
+    gcum, state = meta(B, T, H, K, dt=torch.float32), meta(B, H, K, K, dt=torch.float32)
+    block_v = block_v or block_v_for(B * H, K, H100_SMS, dtype)
+    _, args = launch_config(q, k, v, gcum, meta(B, T, H, 64), meta(B, T, H, 64), K ** -0.5,
+                            state if has_state else None, o, state if store_state else None, block_v)
+    signature = KernelSignature([constraint(a) for a in args], CallingConvention.cutile_python_v2())
     buf = io.BytesIO()
-    export_kernel(wuso_kernel, [KernelSignature(params, CallingConvention.cutile_python_v2())], buf,
-                  gpu_code="sm_90", output_format="cubin")
+    export_kernel(wuso_kernel, [signature], buf, gpu_code="sm_90", output_format="cubin")
     return buf.getvalue()
 
 
-@pytest.mark.parametrize("dtype,K,has_state,store_state", [
-    (torch.bfloat16, 128, True, True), (torch.bfloat16, 64, False, True),
-    (torch.float16, 128, False, False), (torch.float32, 128, True, False)])
-def test_exports_sm90_cubin(dtype, K, has_state, store_state):
-    binary = cubin(dtype, 2, 4, K, K, has_state, store_state)
+def assert_kernel_cubin(binary):
     assert binary[:4] == b"\x7fELF" and len(binary) > 10_000
     assert b"wuso_kernel" in binary
 
 
-def reference_case(B, T, H, HV, K, gate, dtype, with_state, seed=0):
-    x = stage_inputs(B, T, H, K, HV=HV, gate=gate, dtype=dtype, device="cuda", seed=seed)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("K", [128, 64])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_exports_sm90_cubin(dtype, K, with_state):
+    assert_kernel_cubin(cubin(dtype, K, with_state, with_state))
+
+
+@pytest.mark.parametrize("dtype,K,has_state,store_state,block_v,shape", [
+    (torch.bfloat16, 128, True, False, 32, (1, 8192, 96)), (torch.bfloat16, 128, False, True, 64, (1, 8192, 96)),
+    (torch.float16, 128, True, True, None, (1, 8192, 96)), (torch.float16, 64, False, True, 32, (1, 8192, 96)),
+    (torch.bfloat16, 128, True, True, None, (3, 1000, 4)), (torch.float32, 64, True, False, None, (3, 1000, 4))])
+def test_exports_other_specialisations(dtype, K, has_state, store_state, block_v, shape):
+    """Other dtypes, V blocks and state flags; B > 1 and T, H without large power-of-two factors."""
+    B, T, H = shape
+    assert_kernel_cubin(cubin(dtype, K, has_state, store_state, block_v, B, T, H))
+
+
+def test_block_v_fills_one_wave():
+    assert block_v_for(96, 128, H100_SMS, torch.bfloat16) == 128    # 96 programs
+    assert block_v_for(48, 128, H100_SMS, torch.bfloat16) == 64     # 96 programs, not 48
+    assert block_v_for(16, 128, H100_SMS, torch.bfloat16) == 32     # 64 programs
+    assert block_v_for(256, 128, H100_SMS, torch.bfloat16) == 128   # two waves at any width
+    assert block_v_for(96, 64, H100_SMS, torch.bfloat16) == 64
+    assert block_v_for(96, 128, H100_SMS, torch.float32) == 32
+
+
+def stage4_case(B, T, H, HV, K, dtype, with_state, gate="safe", seed=0, V=None):
+    """The kernel's inputs (Γ / ln 2 fp32, Tm in k's dtype, Aqk in q's dtype), the initial state or
+    None, and the float64 state pass on the same q, k, v, Γ and the unrounded Tm, Aqk."""
+    V = V or K
+    x = stage_inputs(B, T, H, K, V=V, HV=HV, gate=gate, dtype=dtype, device="cuda", seed=seed)
     scale = K ** -0.5
     Aqk, Akk = ref.intra_chunk(x["q"], x["k"], x["gamma"], x["beta"], scale)
     Tm = ref.solve(Akk, x["beta"])
     W, U = ref.wu(Tm, x["k"], x["v"], x["gamma"])
-    h0 = torch.randn(B, HV, K, K, device="cuda") if with_state else None
+    gen = torch.Generator().manual_seed(seed + 1)
+    h0 = torch.randn(B, HV, K, V, generator=gen).cuda() if with_state else None
     ref_o, ref_s = ref.state_pass(x["q"], x["k"], W, U, Aqk, x["gamma"], scale, h0)
-    args = (x["q"], x["k"], x["v"], x["gcum"], Tm.to(dtype), Aqk.to(dtype), scale, h0, True)
-    return args, ref_o, ref_s
+    inputs = (x["q"], x["k"], x["v"], x["gcum"], Tm.to(dtype), Aqk.to(dtype), scale)
+    return inputs, h0, ref_o, ref_s
+
+
+def run_poisoned(inputs, h0, block_v=None):
+    """One launch into NaN-filled o and final state, so that any element the kernel skips fails."""
+    q, v = inputs[0], inputs[2]
+    B, _, HV, V = v.shape
+    block_v = block_v or block_v_for(B * HV, V, torch.cuda.get_device_properties(v.device).multi_processor_count,
+                                     q.dtype)
+    o = torch.full_like(v, float("nan"))
+    final = torch.full((B, HV, q.shape[-1], V), float("nan"), device=v.device)
+    grid, args = launch_config(*inputs, h0, o, final, block_v)
+    ct.launch(torch.cuda.current_stream(), grid, wuso_kernel, args)
+    return o, final
 
 
 @gpu
-@pytest.mark.parametrize("B,T,H,HV", [(1, 1, 1, 1), (3, 63, 1, 2), (1, 64, 4, 4), (1, 65, 2, 4), (3, 1000, 4, 4)])
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 1000])
+@pytest.mark.parametrize("B,H,HV", [(1, 1, 1), (3, 4, 4), (1, 1, 2), (3, 4, 8)])
 @pytest.mark.parametrize("K", [64, 128])
 @pytest.mark.parametrize("with_state", [False, True])
-def test_wuso_gpu(B, T, H, HV, K, with_state):
-    args, ref_o, ref_s = reference_case(B, T, H, HV, K, "safe", torch.bfloat16, with_state, seed=T + K)
-    o, s = wuso(*args)
+def test_wuso_bf16(T, B, H, HV, K, with_state):
+    inputs, h0, ref_o, ref_s = stage4_case(B, T, H, HV, K, torch.bfloat16, with_state, seed=T + K + HV)
+    o, s = run_poisoned(inputs, h0)
+    assert rel_err(o, ref_o) < 1e-2 and rel_err(s, ref_s) < 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("block_v", [32, 64, 128])
+def test_wuso_every_block_v(block_v):
+    inputs, h0, ref_o, ref_s = stage4_case(2, 200, 2, 4, 128, torch.bfloat16, True, gate="softplus")
+    o, s = run_poisoned(inputs, h0, block_v)
     assert rel_err(o, ref_o) < 1e-2 and rel_err(s, ref_s) < 1e-2
 
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_wuso_gpu_dtypes(dtype):
-    args, ref_o, ref_s = reference_case(2, 200, 2, 2, 128, "softplus", dtype, True)
-    o, s = wuso(*args)
-    assert o.dtype == dtype and s.dtype == torch.float32
+@pytest.mark.parametrize("gate", ["safe", "softplus"])
+@pytest.mark.parametrize("B,T,H,HV,K", [(2, 200, 2, 4, 128), (1, 65, 1, 1, 64)])
+def test_wuso_dtypes(dtype, gate, B, T, H, HV, K):
+    inputs, h0, ref_o, ref_s = stage4_case(B, T, H, HV, K, dtype, True, gate=gate)
+    o, s = run_poisoned(inputs, h0)
+    assert rel_err(o, ref_o) < BOUND[dtype] and rel_err(s, ref_s) < BOUND[dtype]
+
+
+@gpu
+@pytest.mark.parametrize("K,V", [(128, 64), (64, 128)])
+def test_wuso_key_and_value_dims_differ(K, V):
+    inputs, h0, ref_o, ref_s = stage4_case(2, 130, 2, 2, K, torch.bfloat16, True, V=V)
+    o, s = run_poisoned(inputs, h0)
     assert rel_err(o, ref_o) < 1e-2 and rel_err(s, ref_s) < 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("with_state", [False, True])
+def test_wuso_launcher(with_state):
+    """The public launcher: output dtypes, its own choice of BV, no final state unless asked."""
+    inputs, h0, ref_o, ref_s = stage4_case(3, 130, 2, 4, 128, torch.bfloat16, with_state)
+    o, s = wuso(*inputs, initial_state=h0, output_final_state=True)
+    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+    assert rel_err(o, ref_o) < 1e-2 and rel_err(s, ref_s) < 1e-2
+    o_only, none = wuso(*inputs, initial_state=h0)
+    assert none is None and rel_err(o_only, ref_o) < 1e-2
