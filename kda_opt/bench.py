@@ -250,6 +250,7 @@ def write_plot(rows, path, title):
     ax2.legend(loc="lower right", fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
+    plt.close(fig)
 
 
 def gpu_tag():
@@ -289,8 +290,9 @@ def main(argv=None) -> int:
         for i, c in enumerate(cases, 1):
             print(f"[{i}/{len(cases)}] {c.label}", flush=True)
             rows = merge_rows(rows, [benchmark(c, fla, args.warmup, args.rep, ceilings)])
-            write_csv(rows, base + ".csv")  # after every shape: an interrupted sweep keeps its rows
-        write_plot(rows, base + ".png", f"kda_opt vs FLA chunk_kda, {torch.cuda.get_device_name()}")
+            # After every shape, so that an interrupted sweep keeps what it measured.
+            write_csv(rows, base + ".csv")
+            write_plot(rows, base + ".png", f"kda_opt vs FLA chunk_kda, {torch.cuda.get_device_name()}")
         print(f"wrote {base}.csv and {base}.png")
         print_table(rows)
         return 0

@@ -18,8 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 STAGES = {
     "kda_opt": [("gate_cumsum", "gate"), ("intra", "intra"), ("solve", "solve"), ("wuso", "wuso")],
     "fla": [("delta_rule_fwd_kernel_h", "state pass"), ("fwd_kernel_o", "output"), ("recompute_w_u", "W/U"),
-            ("intra", "intra + solve"), ("solve_tril", "intra + solve"), ("kda_gate", "gate + cumsum"),
-            ("cumsum", "gate + cumsum")],
+            ("inter_solve", "inter + solve"), ("solve_tril", "inter + solve"), ("intra", "intra"),
+            ("kda_gate", "gate + cumsum"), ("cumsum", "gate + cumsum")],
 }
 
 
