@@ -41,8 +41,7 @@ def intra_chunk_kernel(
         # Off the diagonal every j precedes every i. Referencing both sides to the last row n of
         # sub-chunk c splits 2^(Γ_i − Γ_j) = 2^(Γ_i − Γ_n) · 2^(Γ_n − Γ_j) into two factors ≤ 1, so
         # neither overflows for any gate; whole sub-chunks then multiply on tensor cores.
-        # (FLA's chunk_kda_fwd_intra references the first row of sub-chunk r instead, which
-        # needs a bounded gate to keep 2^(Γ_n − Γ_j) finite.)
+        # (FLA's chunk_kda_fwd_intra references the first row of sub-chunk r, equally safe.)
         row_g_n = ((i_b * T + t0 + i_c * BC + BC - 1).to(tl.int64) * HV + i_hv) * K
         for k0 in range(0, K, BK):
             o_k = k0 + tl.arange(0, BK)
