@@ -19,6 +19,7 @@ import sys
 import torch
 
 from .inputs import random_inputs
+from .reference import rel_err
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # SPEC §5: the correctness bound is max(2 × FLA's error, ERROR_FLOOR).
@@ -120,13 +121,6 @@ def measure_ceilings():
 
 
 # ---- the three tests ----
-
-def rel_err(out, ref):
-    out, ref = out.double(), ref.double()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((out - ref).norm() / ref.norm()).item()
-
 
 def naive_T(c: Case) -> int:
     return max(1, min(c.T, NAIVE_BUDGET // (c.B * c.H * c.K * c.K)))

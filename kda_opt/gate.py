@@ -6,15 +6,11 @@
     Γ_t = Σ_{s ≤ t in t's chunk} a_s / ln 2                  (log2 units: later stages use exp2)
 In: g [B, T, HV, K] (any float dtype), A_log [HV] fp32, dt_bias [HV·K] fp32.  Out: Γ [B, T, HV, K] fp32.
 """
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from .options import GateConfig
-
-RCP_LN2 = 1.0 / math.log(2.0)
 
 # Gate modes, resolved once by the launcher from the GateConfig.
 PREACTIVATED: tl.constexpr = tl.constexpr(0)

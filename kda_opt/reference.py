@@ -13,6 +13,15 @@ import torch
 import torch.nn.functional as F
 
 
+def rel_err(out, ref) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64 (SPEC §5's error measure); non-finite output gives inf."""
+    out = out.double()
+    ref = ref.double().to(out.device)
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
 def activate_gate(g, A_log=None, dt_bias=None, lower_bound=None):
     """Raw gate g [B, T, HV, K] → log-decay a ≤ 0, as FLA 0.6.0's in-kernel gate (SPEC §1)."""
     HV, K = g.shape[-2:]
