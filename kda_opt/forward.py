@@ -91,7 +91,7 @@ def kda_forward(
         with nvtx_range("kda_opt/intra"):
             Aqk, Akk = intra_chunk(q, k, gcum, beta, scale, gate.safe_gate, chunk_size)
         with nvtx_range("kda_opt/solve"):
-            Tm = solve(Akk, beta, k.dtype, chunk_size)
+            Tm = solve(Akk, beta, k.dtype)
         with nvtx_range("kda_opt/wuso"):
             return wuso(q, k, v, gcum, Tm, Aqk, scale, initial_state, output_final_state, chunk_size)
 

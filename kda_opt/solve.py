@@ -9,9 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .intra import dot_precision
-
-BC = 16
+from .intra import BC, dot_precision
 
 
 @triton.jit
@@ -101,7 +99,7 @@ def solve_kernel(
     _store_block(Tm, X33, b3, row0, T, t0, 3, 3, HV, C, BC)
 
 
-def solve(Akk, beta, out_dtype: torch.dtype, chunk_size: int = 64):
+def solve(Akk, beta, out_dtype: torch.dtype):
     """Tm [B, T, HV, C] = (I + Akk)⁻¹ Diag(β) per chunk, in out_dtype."""
     B, T, HV, C = Akk.shape
     Tm = torch.empty(B, T, HV, C, dtype=out_dtype, device=Akk.device)

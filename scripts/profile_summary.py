@@ -25,18 +25,13 @@ STAGES = {
 
 def shape_args(argv):
     """Split profile.sh's arguments into run_profile's own and the scripts/test.py shape options."""
-    from kda_opt.bench import case_from_args, parse_args
+    from kda_opt.bench import case_from_args, gpu_tag, parse_args
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-fla", action="store_true")
     own, rest = p.parse_known_args(argv)
     c = case_from_args(parse_args(rest))
     return own, f"{gpu_tag()}_b{c.B}_t{c.T}_h{c.H}_k{c.K}_{c.gate}", c
-
-
-def gpu_tag():
-    import torch
-    return torch.cuda.get_device_name().replace("NVIDIA ", "").split()[0].lower()
 
 
 def stage_of(system, name):
