@@ -1,130 +1,215 @@
-"""Stage 2: the intra-chunk matrices Aqk and Akk, one 16×16 block of each per Triton program.
+"""Stage 2: the intra-chunk matrices Aqk and Akk, one Triton program per chunk and value head.
 
     Aqk[i,j] = scale · Σ_d q_i,d k_j,d 2^(Γ_i,d − Γ_j,d)   (i ≥ j in one chunk of 64)
     Akk[i,j] = β_i   · Σ_d k_i,d k_j,d 2^(Γ_i,d − Γ_j,d)   (i > j)
-In: q, k [B, T, H, K]; Γ [B, T, HV, K] fp32, log2 units; β [B, T, HV].
-Out: Aqk [B, T, HV, 64] in q's dtype, Akk [B, T, HV, 64] fp32 (row per token, column = position in
-its chunk; zero above the diagonal and past the end of a tail chunk).
+In: q, k [B, T, H, K] (bf16/fp16/fp32); Γ [B, T, HV, K] fp32 in log2 units; β [B, T, HV]; value
+head hv reads q/k head hv // (HV / H). Out: Aqk [B, T, HV, 64] in q's dtype, Akk [B, T, HV, 64] fp32;
+row per token, column = position in its chunk, zero above the diagonal and past a tail chunk's end.
+
+Each 16-row block R of the chunk is one product over its columns on tensor cores, through a
+reference exponent C: q_i 2^(Γ_i − C) · k_j 2^(C − Γ_j). With C = Γ_n − SHIFT (n the block's first
+row) the row factor is ≤ 2^SHIFT and, inside the diagonal block, the column factor ≤ 2^(span − SHIFT),
+span = max_d (Γ_n,d − Γ_last,d) over the block's rows: both far inside fp32's range while
+span ≤ 2·SHIFT, and before n the column factor only shrinks (FLA 0.6.0's safe-gate sub-chunk
+reference). safe_gate's promise (a ≥ −5 per token) bounds span by 15·5/ln 2 = 2·SHIFT, and most
+other gates stay below it; the kernel checks every block. A block that does not fit takes C = Γ_n
+and only the columns before n (both factors ≤ 1 for any gate; a factor underflows only where the
+true 2^(Γ_i − Γ_j) is smaller still; FLA's chunk_kda_fwd_kernel_inter_solve_fused), and its
+diagonal block is computed exactly apart (_diagonal_exact).
 """
+import math
+
 import torch
 import triton
 import triton.language as tl
 
-BC = 16  # sub-chunk: the 64×64 matrices are computed as 4×4 blocks of 16×16
+BC = 16  # sub-chunk: rows are computed in blocks of 16, the diagonal in 16×16 blocks
+BK = 32  # channels per step of the K loop
+NUM_WARPS = 4
+SHIFT = 0.5 * (BC - 1) * 5.0 / math.log(2.0)
 
 
 @triton.jit
+def _tile(p, o_t, m_t, o_k, m_k, STRIDE: tl.constexpr):
+    """Rows o_t (tokens, STRIDE apart) × channels o_k of p as fp32, zero where masked."""
+    return tl.load(p + o_t[:, None] * STRIDE + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _span_fits(gcum, t0, T, R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
+               SHIFT: tl.constexpr):
+    """1 if the diagonal block of row block R spans at most 2·SHIFT (log2 units) in every channel, else 0."""
+    n = t0 + R * BC
+    last = tl.minimum(n + BC - 1, T - 1)
+    o_k = tl.arange(0, K)
+    b_first = tl.load(gcum + n * (HV * K) + o_k, mask=n < T, other=0.0)
+    b_last = tl.load(gcum + last * (HV * K) + o_k, mask=n < T, other=0.0)
+    return (tl.max(b_first - b_last, axis=0) <= 2 * SHIFT).to(tl.int32)
+
+
+@triton.jit
+def _row_block_step(q, k, gcum, b_kct, b_gc, o_j, o_k, m_k, t0, T, b_Aqk, b_Akk, fits,
+                    R: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                    BC: tl.constexpr, SHIFT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Adds channels o_k of row block R's products to b_Aqk, b_Akk [BC, BT]; b_kct, b_gc: k
+    (transposed) and Γ of the whole chunk in those channels. fits: the diagonal block is included."""
+    o_t = t0 + R * BC + tl.arange(0, BC)
+    m_t = o_t < T
+    b_q = _tile(q, o_t, m_t, o_k, m_k, H * K)
+    b_k = _tile(k, o_t, m_t, o_k, m_k, H * K)
+    b_g = _tile(gcum, o_t, m_t, o_k, m_k, HV * K)
+    b_c = tl.load(gcum + (t0 + R * BC) * (HV * K) + o_k, mask=m_k & (t0 + R * BC < T), other=0.0)
+    b_c -= tl.where(fits != 0, SHIFT, 0.0)
+    # Exponents are masked before exp2 (rows and columns past T load Γ = 0, where 2^(C − 0) could
+    # overflow), so that no inf or NaN arises even in entries that are never stored.
+    m_c = (o_j < R * BC + BC * fits) & (t0 + o_j < T)
+    b_rf = tl.exp2(tl.where(m_t[:, None], b_g - b_c[None, :], -float("inf")))
+    b_cf = tl.exp2(tl.where(m_c[None, :], b_c[:, None] - tl.trans(b_gc), -float("inf")))
+    b_kc = b_kct * b_cf
+    b_Aqk = tl.dot(b_q * b_rf, b_kc, b_Aqk, input_precision=DOT_PRECISION)
+    b_Akk = tl.dot(b_k * b_rf, b_kc, b_Akk, input_precision=DOT_PRECISION)
+    return b_Aqk, b_Akk
+
+
+@triton.jit
+def _diagonal_exact(q, k, gcum, o_t, m_t, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                    BC: tl.constexpr, BK: tl.constexpr, EXACT_PRECISION: tl.constexpr):
+    """The diagonal block of rows o_t for an unbounded gate: [BC, BC] for q (diagonal included) and
+    k (strictly lower). No single reference row serves a whole diagonal block. FLA computes these
+    entries token by token (chunk_kda_fwd_kernel_intra_token_parallel); here the block is split
+    recursively instead: at level h ∈ {8, 4, 2, 1}, rows in the upper half of each group of 2h meet
+    columns in its lower half through the group's middle row m (j < m ≤ i), the off-diagonal
+    factorisation with both factors ≤ 1, as one product on tensor cores. Every i > j belongs to
+    exactly one level (the highest bit where i and j differ); the diagonal, where the decay is 1,
+    is a plain row sum."""
+    o_i = tl.arange(0, BC)
+    b_Aqk = tl.zeros([BC, BC], dtype=tl.float32)
+    b_Akk = tl.zeros([BC, BC], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < K
+        b_q = _tile(q, o_t, m_t, o_k, m_k, H * K)
+        b_k = _tile(k, o_t, m_t, o_k, m_k, H * K)
+        b_g = _tile(gcum, o_t, m_t, o_k, m_k, HV * K)
+        for LVL in tl.static_range(0, 4):
+            GROUP = BC >> LVL
+            HALF = GROUP // 2
+            o_m = o_t - o_i % GROUP + HALF          # the middle row of each row's group
+            m_up = o_i % GROUP >= HALF
+            m_m = o_m < T
+            b_gm = _tile(gcum, o_m, m_m, o_k, m_k, HV * K)
+            b_rf = tl.exp2(tl.where((m_up & m_t)[:, None], b_g - b_gm, -float("inf")))
+            b_kt = tl.trans(b_k * tl.exp2(tl.where((~m_up & m_m)[:, None], b_gm - b_g, -float("inf"))))
+            m_lvl = (o_i[:, None] // GROUP == o_i[None, :] // GROUP) & m_up[:, None] & ~m_up[None, :]
+            b_Aqk += tl.where(m_lvl, tl.dot(b_q * b_rf, b_kt, input_precision=EXACT_PRECISION), 0.0)
+            b_Akk += tl.where(m_lvl, tl.dot(b_k * b_rf, b_kt, input_precision=EXACT_PRECISION), 0.0)
+        b_Aqk += tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, axis=1)[:, None], 0.0)
+    return b_Aqk, b_Akk
+
+
+@triton.jit
+def _store(p_t, o_c, b_A, b_s, m):
+    """b_A times the row scale b_s at columns o_c of the rows p_t, where m."""
+    tl.store(p_t + o_c[None, :], (b_A * b_s[:, None]).to(p_t.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _store_row_block(q, k, gcum, beta, Aqk, Akk, b_Aqk, b_Akk, t0, T, scale, fits,
+                     R: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, EXACT_PRECISION: tl.constexpr):
+    """Rows of block R: the triangles zeroed, the row scales applied (scale for Aqk, β for Akk); a
+    diagonal block that did not fit is computed exactly and stored in place of the product's."""
+    o_i = tl.arange(0, BC)
+    o_t = t0 + R * BC + o_i
+    m_t = o_t < T
+    o_j = tl.arange(0, BT)
+    o_r = R * BC + o_i
+    b_s = tl.full([BC], scale, dtype=tl.float32)
+    b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
+    p_qk = Aqk + o_t[:, None] * (HV * BT)
+    p_kk = Akk + o_t[:, None] * (HV * BT)
+    m = m_t[:, None] & ((o_j < R * BC) | (o_j >= R * BC + BC) | (fits != 0))[None, :]
+    _store(p_qk, o_j, tl.where(o_j[None, :] <= o_r[:, None], b_Aqk, 0.0), b_s, m)
+    _store(p_kk, o_j, tl.where(o_j[None, :] < o_r[:, None], b_Akk, 0.0), b_beta, m)
+    if fits == 0:
+        b_Dqk, b_Dkk = _diagonal_exact(q, k, gcum, o_t, m_t, T, H, HV, K, BC, BK // 2, EXACT_PRECISION)
+        _store(p_qk, R * BC + o_i, b_Dqk, b_s, m_t[:, None])
+        _store(p_kk, R * BC + o_i, b_Dkk, b_beta, m_t[:, None])
+
+
+@triton.jit(do_not_specialize=["T"])
 def intra_chunk_kernel(
-    q, k, gcum, beta, Aqk, Akk,     # [B,T,H,K], [B,T,H,K], [B,T,HV,K], [B,T,HV], [B,T,HV,C] ×2
+    q, k, gcum, beta, Aqk, Akk,     # [B,T,H,K], [B,T,H,K], [B,T,HV,K], [B,T,HV], [B,T,HV,BT] ×2
     T, scale,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-    BK: tl.constexpr, SAFE_GATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BK: tl.constexpr, SHIFT: tl.constexpr, DOT_PRECISION: tl.constexpr, EXACT_PRECISION: tl.constexpr,
 ):
-    # Block (r, c) of chunk i_t: rows i in sub-chunk r, columns j in sub-chunk c.
-    i_bh, i_t, i_rc = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # FLA 0.6.0's chunk_kda_fwd_intra computes the same matrices in two kernels (diagonal blocks,
+    # then off-diagonal blocks fused with the solve). Here one program holds a whole chunk: the K
+    # loop reads the chunk's columns once and feeds the four row blocks' products from them.
+    i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
-    i_r, i_c = i_rc // (C // BC), i_rc % (C // BC)
-    t0 = i_t * C
-    if t0 + i_r * BC >= T:
-        return
-    o_i = t0 + i_r * BC + tl.arange(0, BC)          # rows (tokens)
-    o_j = t0 + i_c * BC + tl.arange(0, BC)          # columns (tokens)
-    m_i, m_j = o_i < T, o_j < T
-    row_qk_i = ((i_b * T + o_i).to(tl.int64) * H + i_h) * K
-    row_qk_j = ((i_b * T + o_j).to(tl.int64) * H + i_h) * K
-    row_g_i = ((i_b * T + o_i).to(tl.int64) * HV + i_hv) * K
-    row_g_j = ((i_b * T + o_j).to(tl.int64) * HV + i_hv) * K
-    b_aqk = tl.zeros([BC, BC], dtype=tl.float32)
-    b_akk = tl.zeros([BC, BC], dtype=tl.float32)
-    if i_c < i_r:
-        # Off the diagonal every j precedes every i. Referencing both sides to the last row n of
-        # sub-chunk c splits 2^(Γ_i − Γ_j) = 2^(Γ_i − Γ_n) · 2^(Γ_n − Γ_j) into two factors ≤ 1, so
-        # neither overflows for any gate; whole sub-chunks then multiply on tensor cores.
-        # (FLA's chunk_kda_fwd_intra references the first row of sub-chunk r, equally safe.)
-        row_g_n = ((i_b * T + t0 + i_c * BC + BC - 1).to(tl.int64) * HV + i_hv) * K
-        for k0 in range(0, K, BK):
-            o_k = k0 + tl.arange(0, BK)
-            m_k = o_k < K
-            b_gn = tl.load(gcum + row_g_n + o_k, mask=m_k, other=0.0)
-            b_gi = tl.load(gcum + row_g_i[:, None] + o_k[None, :], mask=m_i[:, None] & m_k[None, :], other=0.0)
-            b_gj = tl.load(gcum + row_g_j[:, None] + o_k[None, :], mask=m_j[:, None] & m_k[None, :], other=0.0)
-            b_qi = tl.load(q + row_qk_i[:, None] + o_k[None, :], mask=m_i[:, None] & m_k[None, :], other=0.0)
-            b_ki = tl.load(k + row_qk_i[:, None] + o_k[None, :], mask=m_i[:, None] & m_k[None, :], other=0.0)
-            b_kj = tl.load(k + row_qk_j[:, None] + o_k[None, :], mask=m_j[:, None] & m_k[None, :], other=0.0)
-            # Rows past T load Γ = 0, whose exponent could overflow: they are zeroed instead.
-            b_di = tl.where(m_i[:, None], tl.exp2(b_gi - b_gn[None, :]), 0.0)
-            b_kjt = tl.trans(b_kj.to(tl.float32) * tl.exp2(b_gn[None, :] - b_gj))
-            b_aqk += tl.dot(b_qi.to(tl.float32) * b_di, b_kjt, input_precision=DOT_PRECISION)
-            b_akk += tl.dot(b_ki.to(tl.float32) * b_di, b_kjt, input_precision=DOT_PRECISION)
-    elif i_c == i_r:
-        if SAFE_GATE:
-            # A bounded gate (a ≥ −5 per token) keeps 2^(Γ_n − Γ_j) ≤ 2^(15·5/ln 2) inside one
-            # sub-chunk, so the diagonal block is one product referenced to its first row n.
-            row_g_n = ((i_b * T + t0 + i_r * BC).to(tl.int64) * HV + i_hv) * K
-            for k0 in range(0, K, BK):
-                o_k = k0 + tl.arange(0, BK)
-                m_k = o_k < K
-                b_gn = tl.load(gcum + row_g_n + o_k, mask=m_k, other=0.0)
-                b_gi = tl.load(gcum + row_g_i[:, None] + o_k[None, :], mask=m_i[:, None] & m_k[None, :], other=0.0)
-                b_qi = tl.load(q + row_qk_i[:, None] + o_k[None, :], mask=m_i[:, None] & m_k[None, :], other=0.0)
-                b_ki = tl.load(k + row_qk_i[:, None] + o_k[None, :], mask=m_i[:, None] & m_k[None, :], other=0.0)
-                b_di = tl.where(m_i[:, None], tl.exp2(b_gi - b_gn[None, :]), 0.0)
-                b_kjt = tl.trans(b_ki.to(tl.float32) * tl.exp2(b_gn[None, :] - b_gi))
-                b_aqk += tl.dot(b_qi.to(tl.float32) * b_di, b_kjt, input_precision=DOT_PRECISION)
-                b_akk += tl.dot(b_ki.to(tl.float32) * b_di, b_kjt, input_precision=DOT_PRECISION)
-        else:
-            # Unbounded gate: one column j at a time, 2^(Γ_i − Γ_j) formed only where i ≥ j (≤ 1).
-            o_col = tl.arange(0, BC)
-            for j in range(0, BC):
-                row_qk_c = ((i_b * T + t0 + i_c * BC + j).to(tl.int64) * H + i_h) * K
-                row_g_c = ((i_b * T + t0 + i_c * BC + j).to(tl.int64) * HV + i_hv) * K
-                m_c = t0 + i_c * BC + j < T
-                b_colq = tl.zeros([BC], dtype=tl.float32)
-                b_colk = tl.zeros([BC], dtype=tl.float32)
-                for k0 in range(0, K, BK):
-                    o_k = k0 + tl.arange(0, BK)
-                    m_k = o_k < K
-                    m_ik = m_i[:, None] & m_k[None, :]
-                    b_gi = tl.load(gcum + row_g_i[:, None] + o_k[None, :], mask=m_ik, other=0.0)
-                    b_qi = tl.load(q + row_qk_i[:, None] + o_k[None, :], mask=m_ik, other=0.0)
-                    b_ki = tl.load(k + row_qk_i[:, None] + o_k[None, :], mask=m_ik, other=0.0)
-                    b_gc = tl.load(gcum + row_g_c + o_k, mask=m_k & m_c, other=0.0)
-                    b_kc = tl.load(k + row_qk_c + o_k, mask=m_k & m_c, other=0.0).to(tl.float32)
-                    b_e = tl.where(((o_col >= j) & m_i)[:, None], b_gi - b_gc[None, :], float("-inf"))
-                    b_w = tl.exp2(b_e) * b_kc[None, :]
-                    b_colq += tl.sum(b_qi.to(tl.float32) * b_w, axis=1)
-                    b_colk += tl.sum(b_ki.to(tl.float32) * b_w, axis=1)
-                b_aqk = tl.where((o_col == j)[None, :], b_colq[:, None], b_aqk)
-                b_akk = tl.where((o_col == j)[None, :], b_colk[:, None], b_akk)
-        o_r = tl.arange(0, BC)
-        b_aqk = tl.where(o_r[:, None] >= o_r[None, :], b_aqk, 0.0)
-        b_akk = tl.where(o_r[:, None] > o_r[None, :], b_akk, 0.0)
-    b_beta = tl.load(beta + (i_b * T + o_i).to(tl.int64) * HV + i_hv, mask=m_i, other=0.0).to(tl.float32)
-    row_a = ((i_b * T + o_i).to(tl.int64) * HV + i_hv) * C + i_c * BC
-    o_col = tl.arange(0, BC)
-    m_a = m_i[:, None] & (o_col < BC)[None, :]
-    tl.store(Aqk + row_a[:, None] + o_col[None, :], (scale * b_aqk).to(Aqk.dtype.element_ty), mask=m_a)
-    tl.store(Akk + row_a[:, None] + o_col[None, :], b_beta[:, None] * b_akk, mask=m_a)
+    bos, t0 = i_b * T, i_t * BT
+    q += (bos * H + i_h) * K
+    k += (bos * H + i_h) * K
+    gcum += (bos * HV + i_hv) * K
+    beta += bos * HV + i_hv
+    Aqk += (bos * HV + i_hv) * BT
+    Akk += (bos * HV + i_hv) * BT
+    fits0 = _span_fits(gcum, t0, T, 0, HV, K, BC, SHIFT)
+    fits1 = _span_fits(gcum, t0, T, 1, HV, K, BC, SHIFT)
+    fits2 = _span_fits(gcum, t0, T, 2, HV, K, BC, SHIFT)
+    fits3 = _span_fits(gcum, t0, T, 3, HV, K, BC, SHIFT)
+    o_j = tl.arange(0, BT)
+    m_j = t0 + o_j < T
+    b_Aqk0 = tl.zeros([BC, BT], dtype=tl.float32)
+    b_Akk0 = tl.zeros([BC, BT], dtype=tl.float32)
+    b_Aqk1 = tl.zeros([BC, BT], dtype=tl.float32)
+    b_Akk1 = tl.zeros([BC, BT], dtype=tl.float32)
+    b_Aqk2 = tl.zeros([BC, BT], dtype=tl.float32)
+    b_Akk2 = tl.zeros([BC, BT], dtype=tl.float32)
+    b_Aqk3 = tl.zeros([BC, BT], dtype=tl.float32)
+    b_Akk3 = tl.zeros([BC, BT], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < K
+        b_kct = tl.trans(_tile(k, t0 + o_j, m_j, o_k, m_k, H * K))        # [BK, BT]
+        b_gc = _tile(gcum, t0 + o_j, m_j, o_k, m_k, HV * K)               # [BT, BK]
+        b_Aqk0, b_Akk0 = _row_block_step(q, k, gcum, b_kct, b_gc, o_j, o_k, m_k, t0, T, b_Aqk0, b_Akk0,
+                                         fits0, 0, H, HV, K, BC, SHIFT, DOT_PRECISION)
+        b_Aqk1, b_Akk1 = _row_block_step(q, k, gcum, b_kct, b_gc, o_j, o_k, m_k, t0, T, b_Aqk1, b_Akk1,
+                                         fits1, 1, H, HV, K, BC, SHIFT, DOT_PRECISION)
+        b_Aqk2, b_Akk2 = _row_block_step(q, k, gcum, b_kct, b_gc, o_j, o_k, m_k, t0, T, b_Aqk2, b_Akk2,
+                                         fits2, 2, H, HV, K, BC, SHIFT, DOT_PRECISION)
+        b_Aqk3, b_Akk3 = _row_block_step(q, k, gcum, b_kct, b_gc, o_j, o_k, m_k, t0, T, b_Aqk3, b_Akk3,
+                                         fits3, 3, H, HV, K, BC, SHIFT, DOT_PRECISION)
+    _store_row_block(q, k, gcum, beta, Aqk, Akk, b_Aqk0, b_Akk0, t0, T, scale, fits0, 0, H, HV, K, BT, BC, BK,
+                     EXACT_PRECISION)
+    _store_row_block(q, k, gcum, beta, Aqk, Akk, b_Aqk1, b_Akk1, t0, T, scale, fits1, 1, H, HV, K, BT, BC, BK,
+                     EXACT_PRECISION)
+    _store_row_block(q, k, gcum, beta, Aqk, Akk, b_Aqk2, b_Akk2, t0, T, scale, fits2, 2, H, HV, K, BT, BC, BK,
+                     EXACT_PRECISION)
+    _store_row_block(q, k, gcum, beta, Aqk, Akk, b_Aqk3, b_Akk3, t0, T, scale, fits3, 3, H, HV, K, BT, BC, BK,
+                     EXACT_PRECISION)
 
 
-def intra_chunk(q, k, gcum, beta, scale: float, safe_gate: bool, chunk_size: int = 64):
-    """Aqk [B, T, HV, C] (q's dtype) and Akk [B, T, HV, C] (fp32) of every chunk."""
+def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64):
+    """Aqk [B, T, HV, C] (q's dtype) and Akk [B, T, HV, C] (fp32) of every chunk (C = 64)."""
     B, T, H, K = q.shape
     HV = gcum.shape[2]
+    if chunk_size != 4 * BC:
+        raise ValueError(f"intra_chunk computes chunks of {4 * BC}, got chunk_size={chunk_size}")
     Aqk = torch.empty(B, T, HV, chunk_size, dtype=q.dtype, device=q.device)
     Akk = torch.empty(B, T, HV, chunk_size, dtype=torch.float32, device=q.device)
-    nblocks = (chunk_size // BC) ** 2
-    grid = (B * HV, triton.cdiv(T, chunk_size), nblocks)
-    intra_chunk_kernel[grid](
+    intra_chunk_kernel[(triton.cdiv(T, chunk_size), B * HV)](
         q, k, gcum, beta, Aqk, Akk, T, scale,
-        H=H, HV=HV, K=K, C=chunk_size, BC=BC, BK=min(64, triton.next_power_of_2(K)),
-        SAFE_GATE=safe_gate, DOT_PRECISION=dot_precision(q.device),
+        H=H, HV=HV, K=K, BT=chunk_size, BC=BC, BK=min(BK, K), SHIFT=SHIFT,
+        # Products on tensor cores in one tf32 pass for 16-bit inputs, as FLA's; fp32 inputs keep
+        # fp32 accuracy (three passes), and so does an exact diagonal block (FLA: plain fp32).
+        # (The interpreter ignores this and multiplies in fp32.)
+        DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", EXACT_PRECISION="tf32x3",
+        num_warps=NUM_WARPS,
     )
     return Aqk, Akk
-
-
-def dot_precision(device) -> str:
-    """fp32 products at near-fp32 accuracy: three tf32 passes on the GPU; the interpreter computes
-    in fp32 and knows only "ieee"."""
-    return "tf32x3" if device.type == "cuda" else "ieee"

@@ -1,108 +1,133 @@
-"""Stage 3: Tm = (I + Akk)⁻¹ · Diag(β) for every chunk, one Triton program per chunk and head.
+"""Stage 3: Tm = (I + Akk)⁻¹ · Diag(β) for every chunk, one Triton program per chunk and value head.
 
-L = I + Akk is unit lower-triangular (64×64). Its 16×16 diagonal blocks are inverted by forward
-substitution; the blocks below them follow from X_rc = −X_rr · Σ_{c ≤ m < r} L_rm X_mc (block
-forward substitution, as FLA's solve_tril merges 16×16 inverses), all in fp32.
-In: Akk [B, T, HV, 64] fp32, β [B, T, HV].  Out: Tm [B, T, HV, 64] in the requested dtype.
+L = I + Akk is unit lower-triangular (64×64, Akk strictly lower). Its four 16×16 diagonal blocks are
+inverted by forward substitution, X_rr = (I + A_rr)⁻¹; the blocks below follow by block forward
+substitution, X_rc = −X_rr · Σ_{c ≤ m < r} A_rm X_mc; then Tm_rc = X_rc · Diag(β_c). All in fp32.
+In: Akk [B, T, HV, 64] fp32, β [B, T, HV]. Out: Tm [B, T, HV, 64] in the requested dtype (row per
+token, column = position in its chunk; zero above the diagonal and past the end of a tail chunk).
 """
 import torch
 import triton
 import triton.language as tl
 
-from .intra import BC, dot_precision
+from .intra import BC  # the 64×64 inverse is assembled from 16×16 blocks
+# Two warps per chunk: the substitution's row reductions stay (mostly) in shuffles; on sm_90 this
+# compiles to 166 registers without spills for a 16-bit Tm (1 warp: 255, 4 warps: 134 but shared-
+# memory reductions).
+NUM_WARPS = 2
 
 
 @triton.jit
-def _load_block(Akk, row0, T, t0, r: tl.constexpr, c: tl.constexpr, HV: tl.constexpr, C: tl.constexpr,
-                BC: tl.constexpr):
-    """Block (r, c) of the chunk's Akk, zero for rows past T."""
-    o = tl.arange(0, BC)
-    rows = t0 + r * BC + o
-    ptr = Akk + (row0 + rows.to(tl.int64) * HV) * C + c * BC
-    return tl.load(ptr[:, None] + o[None, :], mask=(rows < T)[:, None], other=0.0)
+def _block(p, o_t, m_t, c: tl.constexpr, STRIDE: tl.constexpr, BC: tl.constexpr):
+    """Columns c·BC.. c·BC+BC−1 of the rows o_t of a chunk matrix, zero for rows past T."""
+    o_i = tl.arange(0, BC)
+    return tl.load(p + o_t[:, None] * STRIDE + c * BC + o_i[None, :], mask=m_t[:, None], other=0.0)
 
 
 @triton.jit
-def _invert_unit_lower(A, BC: tl.constexpr):
-    """(I + A)⁻¹ for a strictly lower-triangular 16×16 A, by forward substitution:
-    row i of X is e_i − Σ_{j<i} A[i,j] X[j,:]."""
-    o = tl.arange(0, BC)
-    X = tl.where(o[:, None] == o[None, :], 1.0, 0.0)
-    for i in range(1, BC):
-        a_i = tl.sum(tl.where((o == i)[:, None], A, 0.0), axis=0)        # row i of A
-        x_i = -tl.sum(a_i[:, None] * X, axis=0)                          # −A[i,:] X (rows j < i)
-        X = tl.where((o == i)[:, None], x_i[None, :] + tl.where(o == i, 1.0, 0.0)[None, :], X)
-    return X
+def _substitute_step(Akk, X, t, T, c: tl.constexpr, i: tl.constexpr, STRIDE: tl.constexpr,
+                     BC: tl.constexpr):
+    """Row i of Y = (I + A)⁻¹ − I for the diagonal block A at column block c, given Y's rows < i in X:
+    y_i = −a_i − Σ_{j<i} a_ij y_j, with row i of A (token t) read back from memory."""
+    o_i = tl.arange(0, BC)
+    b_a = -tl.load(Akk + t * STRIDE + c * BC + o_i, mask=(o_i < i) & (t < T), other=0.0)
+    b_a += tl.sum(b_a[:, None] * X, 0)
+    return tl.where((o_i == i)[:, None], b_a[None, :], X)
 
 
 @triton.jit
-def _store_block(Tm, X, beta_c, row0, T, t0, r: tl.constexpr, c: tl.constexpr, HV: tl.constexpr,
-                 C: tl.constexpr, BC: tl.constexpr):
-    o = tl.arange(0, BC)
-    rows = t0 + r * BC + o
-    ptr = Tm + (row0 + rows.to(tl.int64) * HV) * C + c * BC
-    tl.store(ptr[:, None] + o[None, :], (X * beta_c[None, :]).to(Tm.dtype.element_ty), mask=(rows < T)[:, None])
+def _store(Tm, o_t, m_t, X, b_beta, c: tl.constexpr, STRIDE: tl.constexpr, BC: tl.constexpr):
+    """X · Diag(b_beta) as column block c of the rows o_t of Tm."""
+    o_i = tl.arange(0, BC)
+    tl.store(Tm + o_t[:, None] * STRIDE + c * BC + o_i[None, :], (X * b_beta[None, :]).to(Tm.dtype.element_ty),
+             mask=m_t[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def solve_kernel(
-    Akk, beta, Tm,                  # [B,T,HV,C] fp32, [B,T,HV], [B,T,HV,C]
+    Akk, beta, Tm,                  # [B,T,HV,BT] fp32, [B,T,HV], [B,T,HV,BT]
     T,
-    HV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    i_bh, i_t = tl.program_id(0), tl.program_id(1)
+    # FLA 0.6.0's solve_tril (and the solve half of chunk_kda_fwd_kernel_inter_solve_fused):
+    # forward substitution inside 16×16 blocks, block formulas between them.
+    i_t, i_bh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
-    t0 = i_t * C
-    row0 = i_b.to(tl.int64) * T * HV + i_hv    # row t of this head: (row0 + t·HV)·C
-    o = tl.arange(0, BC)
-    b0 = tl.load(beta + row0 + (t0 + o).to(tl.int64) * HV, mask=t0 + o < T, other=0.0).to(tl.float32)
-    b1 = tl.load(beta + row0 + (t0 + BC + o).to(tl.int64) * HV, mask=t0 + BC + o < T, other=0.0).to(tl.float32)
-    b2 = tl.load(beta + row0 + (t0 + 2 * BC + o).to(tl.int64) * HV, mask=t0 + 2 * BC + o < T, other=0.0).to(tl.float32)
-    b3 = tl.load(beta + row0 + (t0 + 3 * BC + o).to(tl.int64) * HV, mask=t0 + 3 * BC + o < T, other=0.0).to(tl.float32)
-    # Diagonal inverses X_rr (rows past T hold zeros in Akk, so they invert to identity rows).
-    X00 = _invert_unit_lower(_load_block(Akk, row0, T, t0, 0, 0, HV, C, BC), BC)
-    X11 = _invert_unit_lower(_load_block(Akk, row0, T, t0, 1, 1, HV, C, BC), BC)
-    X22 = _invert_unit_lower(_load_block(Akk, row0, T, t0, 2, 2, HV, C, BC), BC)
-    X33 = _invert_unit_lower(_load_block(Akk, row0, T, t0, 3, 3, HV, C, BC), BC)
-    L10 = _load_block(Akk, row0, T, t0, 1, 0, HV, C, BC)
-    L20 = _load_block(Akk, row0, T, t0, 2, 0, HV, C, BC)
-    L21 = _load_block(Akk, row0, T, t0, 2, 1, HV, C, BC)
-    L30 = _load_block(Akk, row0, T, t0, 3, 0, HV, C, BC)
-    L31 = _load_block(Akk, row0, T, t0, 3, 1, HV, C, BC)
-    L32 = _load_block(Akk, row0, T, t0, 3, 2, HV, C, BC)
-    # X_rc = −X_rr Σ_{c ≤ m < r} L_rm X_mc
-    X10 = -tl.dot(X11, tl.dot(L10, X00, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
-    X21 = -tl.dot(X22, tl.dot(L21, X11, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
-    X32 = -tl.dot(X33, tl.dot(L32, X22, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
-    X20 = -tl.dot(X22, tl.dot(L20, X00, input_precision=DOT_PRECISION)
-                  + tl.dot(L21, X10, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
-    X31 = -tl.dot(X33, tl.dot(L31, X11, input_precision=DOT_PRECISION)
-                  + tl.dot(L32, X21, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
-    X30 = -tl.dot(X33, tl.dot(L30, X00, input_precision=DOT_PRECISION) + tl.dot(L31, X10, input_precision=DOT_PRECISION)
-                  + tl.dot(L32, X20, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
-    zero = tl.zeros([BC, BC], dtype=tl.float32)
-    _store_block(Tm, X00, b0, row0, T, t0, 0, 0, HV, C, BC)
-    _store_block(Tm, zero, b1, row0, T, t0, 0, 1, HV, C, BC)
-    _store_block(Tm, zero, b2, row0, T, t0, 0, 2, HV, C, BC)
-    _store_block(Tm, zero, b3, row0, T, t0, 0, 3, HV, C, BC)
-    _store_block(Tm, X10, b0, row0, T, t0, 1, 0, HV, C, BC)
-    _store_block(Tm, X11, b1, row0, T, t0, 1, 1, HV, C, BC)
-    _store_block(Tm, zero, b2, row0, T, t0, 1, 2, HV, C, BC)
-    _store_block(Tm, zero, b3, row0, T, t0, 1, 3, HV, C, BC)
-    _store_block(Tm, X20, b0, row0, T, t0, 2, 0, HV, C, BC)
-    _store_block(Tm, X21, b1, row0, T, t0, 2, 1, HV, C, BC)
-    _store_block(Tm, X22, b2, row0, T, t0, 2, 2, HV, C, BC)
-    _store_block(Tm, zero, b3, row0, T, t0, 2, 3, HV, C, BC)
-    _store_block(Tm, X30, b0, row0, T, t0, 3, 0, HV, C, BC)
-    _store_block(Tm, X31, b1, row0, T, t0, 3, 1, HV, C, BC)
-    _store_block(Tm, X32, b2, row0, T, t0, 3, 2, HV, C, BC)
-    _store_block(Tm, X33, b3, row0, T, t0, 3, 3, HV, C, BC)
+    bos, t0 = i_b * T, i_t * BT
+    Akk += (bos * HV + i_hv) * BT
+    Tm += (bos * HV + i_hv) * BT
+    beta += bos * HV + i_hv
+    o_i = tl.arange(0, BC)
+    o_t0, o_t1, o_t2, o_t3 = t0 + o_i, t0 + BC + o_i, t0 + 2 * BC + o_i, t0 + 3 * BC + o_i
+    m_t0, m_t1, m_t2, m_t3 = o_t0 < T, o_t1 < T, o_t2 < T, o_t3 < T
+    STRIDE: tl.constexpr = HV * BT
+
+    # Rows past T load as zero, so they invert to identity rows and never reach a valid row.
+    m_low = o_i[:, None] > o_i[None, :]
+    X00 = -tl.where(m_low, _block(Akk, o_t0, m_t0, 0, STRIDE, BC), 0.0)
+    X11 = -tl.where(m_low, _block(Akk, o_t1, m_t1, 1, STRIDE, BC), 0.0)
+    X22 = -tl.where(m_low, _block(Akk, o_t2, m_t2, 2, STRIDE, BC), 0.0)
+    X33 = -tl.where(m_low, _block(Akk, o_t3, m_t3, 3, STRIDE, BC), 0.0)
+    # Rows 0 and 1 of −A are already those of (I + A)⁻¹ − I; the four chains run side by side.
+    for i in tl.static_range(2, BC):
+        X00 = _substitute_step(Akk, X00, t0 + i, T, 0, i, STRIDE, BC)
+        X11 = _substitute_step(Akk, X11, t0 + BC + i, T, 1, i, STRIDE, BC)
+        X22 = _substitute_step(Akk, X22, t0 + 2 * BC + i, T, 2, i, STRIDE, BC)
+        X33 = _substitute_step(Akk, X33, t0 + 3 * BC + i, T, 3, i, STRIDE, BC)
+    b_eye = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
+    X00, X11, X22, X33 = X00 + b_eye, X11 + b_eye, X22 + b_eye, X33 + b_eye
+
+    A10 = _block(Akk, o_t1, m_t1, 0, STRIDE, BC)
+    A20 = _block(Akk, o_t2, m_t2, 0, STRIDE, BC)
+    A21 = _block(Akk, o_t2, m_t2, 1, STRIDE, BC)
+    A30 = _block(Akk, o_t3, m_t3, 0, STRIDE, BC)
+    A31 = _block(Akk, o_t3, m_t3, 1, STRIDE, BC)
+    A32 = _block(Akk, o_t3, m_t3, 2, STRIDE, BC)
+    X10 = -tl.dot(X11, tl.dot(A10, X00, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
+    X21 = -tl.dot(X22, tl.dot(A21, X11, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
+    X32 = -tl.dot(X33, tl.dot(A32, X22, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
+    b_Y = tl.dot(A21, X10, tl.dot(A20, X00, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
+    X20 = -tl.dot(X22, b_Y, input_precision=DOT_PRECISION)
+    b_Y = tl.dot(A32, X21, tl.dot(A31, X11, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
+    X31 = -tl.dot(X33, b_Y, input_precision=DOT_PRECISION)
+    b_Y = tl.dot(A30, X00, tl.dot(A31, X10, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
+    b_Y = tl.dot(A32, X20, b_Y, input_precision=DOT_PRECISION)
+    X30 = -tl.dot(X33, b_Y, input_precision=DOT_PRECISION)
+
+    b_b0 = tl.load(beta + o_t0 * HV, mask=m_t0, other=0.0).to(tl.float32)
+    b_b1 = tl.load(beta + o_t1 * HV, mask=m_t1, other=0.0).to(tl.float32)
+    b_b2 = tl.load(beta + o_t2 * HV, mask=m_t2, other=0.0).to(tl.float32)
+    b_b3 = tl.load(beta + o_t3 * HV, mask=m_t3, other=0.0).to(tl.float32)
+    b_0 = tl.zeros([BC, BC], dtype=tl.float32)
+    _store(Tm, o_t0, m_t0, X00, b_b0, 0, STRIDE, BC)
+    _store(Tm, o_t0, m_t0, b_0, b_b1, 1, STRIDE, BC)
+    _store(Tm, o_t0, m_t0, b_0, b_b2, 2, STRIDE, BC)
+    _store(Tm, o_t0, m_t0, b_0, b_b3, 3, STRIDE, BC)
+    _store(Tm, o_t1, m_t1, X10, b_b0, 0, STRIDE, BC)
+    _store(Tm, o_t1, m_t1, X11, b_b1, 1, STRIDE, BC)
+    _store(Tm, o_t1, m_t1, b_0, b_b2, 2, STRIDE, BC)
+    _store(Tm, o_t1, m_t1, b_0, b_b3, 3, STRIDE, BC)
+    _store(Tm, o_t2, m_t2, X20, b_b0, 0, STRIDE, BC)
+    _store(Tm, o_t2, m_t2, X21, b_b1, 1, STRIDE, BC)
+    _store(Tm, o_t2, m_t2, X22, b_b2, 2, STRIDE, BC)
+    _store(Tm, o_t2, m_t2, b_0, b_b3, 3, STRIDE, BC)
+    _store(Tm, o_t3, m_t3, X30, b_b0, 0, STRIDE, BC)
+    _store(Tm, o_t3, m_t3, X31, b_b1, 1, STRIDE, BC)
+    _store(Tm, o_t3, m_t3, X32, b_b2, 2, STRIDE, BC)
+    _store(Tm, o_t3, m_t3, X33, b_b3, 3, STRIDE, BC)
 
 
 def solve(Akk, beta, out_dtype: torch.dtype):
-    """Tm [B, T, HV, C] = (I + Akk)⁻¹ Diag(β) per chunk, in out_dtype."""
+    """Tm [B, T, HV, C] = (I + Akk)⁻¹ Diag(β) per chunk (C = 64, from Akk's last dimension), in out_dtype."""
     B, T, HV, C = Akk.shape
+    if C != 4 * BC:
+        raise ValueError(f"solve inverts chunks of {4 * BC}, got Akk {list(Akk.shape)}")
     Tm = torch.empty(B, T, HV, C, dtype=out_dtype, device=Akk.device)
-    grid = (B * HV, triton.cdiv(T, C))
-    solve_kernel[grid](Akk, beta, Tm, T, HV=HV, C=C, BC=BC, DOT_PRECISION=dot_precision(Akk.device))
+    solve_kernel[(triton.cdiv(T, C), B * HV)](
+        Akk, beta, Tm, T, HV=HV, BT=C, BC=BC,
+        # Block products in one tf32 pass where Tm is stored in 16 bits (as FLA's), three (≈ fp32)
+        # where it is stored in fp32. (The interpreter ignores this and multiplies in fp32.)
+        DOT_PRECISION="tf32x3" if out_dtype == torch.float32 else "tf32",
+        num_warps=NUM_WARPS,
+    )
     return Tm
