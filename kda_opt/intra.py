@@ -133,7 +133,7 @@ def _store_row_block(q, k, gcum, beta, Aqk, Akk, b_Aqk, b_Akk, t0, T, scale, fit
     _store(p_qk, o_j, tl.where(o_j[None, :] <= o_r[:, None], b_Aqk, 0.0), b_s, m)
     _store(p_kk, o_j, tl.where(o_j[None, :] < o_r[:, None], b_Akk, 0.0), b_beta, m)
     if fits == 0:
-        b_Dqk, b_Dkk = _diagonal_exact(q, k, gcum, o_t, m_t, T, H, HV, K, BC, BK // 2, EXACT_PRECISION)
+        b_Dqk, b_Dkk = _diagonal_exact(q, k, gcum, o_t, m_t, T, H, HV, K, BC, BC, EXACT_PRECISION)
         _store(p_qk, R * BC + o_i, b_Dqk, b_s, m_t[:, None])
         _store(p_kk, R * BC + o_i, b_Dkk, b_beta, m_t[:, None])
 
@@ -195,8 +195,10 @@ def intra_chunk_kernel(
                      EXACT_PRECISION)
 
 
-def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64):
-    """Aqk [B, T, HV, C] (q's dtype) and Akk [B, T, HV, C] (fp32) of every chunk (C = 64)."""
+def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64, *,
+                block_k: int = BK, num_warps: int = NUM_WARPS, num_stages: int | None = None):
+    """Aqk [B, T, HV, C] (q's dtype) and Akk [B, T, HV, C] (fp32) of every chunk (C = 64). The
+    keyword arguments are tuning knobs (scripts/bench_stages.py); the defaults are the measured best."""
     B, T, H, K = q.shape
     HV = gcum.shape[2]
     if chunk_size != 4 * BC:
@@ -205,11 +207,11 @@ def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64):
     Akk = torch.empty(B, T, HV, chunk_size, dtype=torch.float32, device=q.device)
     intra_chunk_kernel[(triton.cdiv(T, chunk_size), B * HV)](
         q, k, gcum, beta, Aqk, Akk, T, scale,
-        H=H, HV=HV, K=K, BT=chunk_size, BC=BC, BK=min(BK, K), SHIFT=SHIFT,
+        H=H, HV=HV, K=K, BT=chunk_size, BC=BC, BK=min(block_k, K), SHIFT=SHIFT,
         # Products on tensor cores in one tf32 pass for 16-bit inputs, as FLA's; fp32 inputs keep
         # fp32 accuracy (three passes), and so does an exact diagonal block (FLA: plain fp32).
         # (The interpreter ignores this and multiplies in fp32.)
         DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", EXACT_PRECISION="tf32x3",
-        num_warps=NUM_WARPS,
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
     )
     return Aqk, Akk

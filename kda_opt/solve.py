@@ -117,8 +117,9 @@ def solve_kernel(
     _store(Tm, o_t3, m_t3, X33, b_b3, 3, STRIDE, BC)
 
 
-def solve(Akk, beta, out_dtype: torch.dtype):
-    """Tm [B, T, HV, C] = (I + Akk)⁻¹ Diag(β) per chunk (C = 64, from Akk's last dimension), in out_dtype."""
+def solve(Akk, beta, out_dtype: torch.dtype, *, num_warps: int = NUM_WARPS):
+    """Tm [B, T, HV, C] = (I + Akk)⁻¹ Diag(β) per chunk (C = 64, from Akk's last dimension), in out_dtype.
+    num_warps is a tuning knob (scripts/bench_stages.py)."""
     B, T, HV, C = Akk.shape
     if C != 4 * BC:
         raise ValueError(f"solve inverts chunks of {4 * BC}, got Akk {list(Akk.shape)}")
@@ -128,6 +129,6 @@ def solve(Akk, beta, out_dtype: torch.dtype):
         # Block products in one tf32 pass where Tm is stored in 16 bits (as FLA's), three (≈ fp32)
         # where it is stored in fp32. (The interpreter ignores this and multiplies in fp32.)
         DOT_PRECISION="tf32x3" if out_dtype == torch.float32 else "tf32",
-        num_warps=NUM_WARPS,
+        num_warps=num_warps,
     )
     return Tm
