@@ -240,8 +240,9 @@ def write_plot(rows, path, title):
         ax2.plot(Ts, [r["speedup"] for _, r in pts], "x" + style, color="tab:green", label=f"speedup ({mode})")
     ax.set(xscale="log", yscale="log", xlabel="T (B=1, H=32, K=V=128)", ylabel="ms", title=title)
     ax2.set_ylabel("speedup over FLA", color="tab:green")
-    ax.legend(loc="upper left", fontsize=7)
-    ax2.legend(loc="lower right", fontsize=7)
+    if ax.lines:  # an early partial sweep may have no H=32 rows yet
+        ax.legend(loc="upper left", fontsize=7)
+        ax2.legend(loc="lower right", fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
