@@ -43,8 +43,11 @@ def _span_fits(gcum, t0, T, R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, 
     n = t0 + R * BC
     last = tl.minimum(n + BC - 1, T - 1)
     o_k = tl.arange(0, K)
-    b_first = tl.load(gcum + n * (HV * K) + o_k, mask=n < T, other=0.0)
-    b_last = tl.load(gcum + last * (HV * K) + o_k, mask=n < T, other=0.0)
+    # Masks are built per element (n + 0·o_k), never from a scalar comparison: Triton 3.9's
+    # interpreter rejects a mask that involves a scalar one ("mask has unsupported dtype").
+    m_n = n + 0 * o_k < T
+    b_first = tl.load(gcum + n * (HV * K) + o_k, mask=m_n, other=0.0)
+    b_last = tl.load(gcum + last * (HV * K) + o_k, mask=m_n, other=0.0)
     return (tl.max(b_first - b_last, axis=0) <= 2 * SHIFT).to(tl.int32)
 
 
@@ -59,7 +62,7 @@ def _row_block_step(q, k, gcum, b_kct, b_gc, o_j, o_k, m_k, t0, T, b_Aqk, b_Akk,
     b_q = _tile(q, o_t, m_t, o_k, m_k, H * K)
     b_k = _tile(k, o_t, m_t, o_k, m_k, H * K)
     b_g = _tile(gcum, o_t, m_t, o_k, m_k, HV * K)
-    b_c = tl.load(gcum + (t0 + R * BC) * (HV * K) + o_k, mask=m_k & (t0 + R * BC < T), other=0.0)
+    b_c = tl.load(gcum + (t0 + R * BC) * (HV * K) + o_k, mask=m_k & (t0 + R * BC + 0 * o_k < T), other=0.0)
     b_c -= tl.where(fits != 0, SHIFT, 0.0)
     # Exponents are masked before exp2 (rows and columns past T load Γ = 0, where 2^(C − 0) could
     # overflow), so that no inf or NaN arises even in entries that are never stored.
@@ -129,7 +132,7 @@ def _store_row_block(q, k, gcum, beta, Aqk, Akk, b_Aqk, b_Akk, t0, T, scale, fit
     b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
     p_qk = Aqk + o_t[:, None] * (HV * BT)
     p_kk = Akk + o_t[:, None] * (HV * BT)
-    m = m_t[:, None] & ((o_j < R * BC) | (o_j >= R * BC + BC) | (fits != 0))[None, :]
+    m = m_t[:, None] & ((o_j < R * BC) | (o_j >= R * BC + BC) | (fits + 0 * o_j != 0))[None, :]
     _store(p_qk, o_j, tl.where(o_j[None, :] <= o_r[:, None], b_Aqk, 0.0), b_s, m)
     _store(p_kk, o_j, tl.where(o_j[None, :] < o_r[:, None], b_Akk, 0.0), b_beta, m)
     if fits == 0:

@@ -30,7 +30,8 @@ def _substitute_step(Akk, X, t, T, c: tl.constexpr, i: tl.constexpr, STRIDE: tl.
     """Row i of Y = (I + A)⁻¹ − I for the diagonal block A at column block c, given Y's rows < i in X:
     y_i = −a_i − Σ_{j<i} a_ij y_j, with row i of A (token t) read back from memory."""
     o_i = tl.arange(0, BC)
-    b_a = -tl.load(Akk + t * STRIDE + c * BC + o_i, mask=(o_i < i) & (t < T), other=0.0)
+    # (t + 0·o_i: a per-element mask; Triton 3.9's interpreter rejects one mixed with a scalar.)
+    b_a = -tl.load(Akk + t * STRIDE + c * BC + o_i, mask=(o_i < i) & (t + 0 * o_i < T), other=0.0)
     b_a += tl.sum(b_a[:, None] * X, 0)
     return tl.where((o_i == i)[:, None], b_a[None, :], X)
 
