@@ -15,8 +15,8 @@ from tests.stage_inputs import stage_inputs
 C = 64
 
 
-def run(x, scale):
-    Aqk, Akk = intra_chunk(x["q"], x["k"], x["gcum"], x["beta"], scale)
+def run(x, scale, **knobs):
+    Aqk, Akk = intra_chunk(x["q"], x["k"], x["gcum"], x["beta"], scale, **knobs)
     rAqk, rAkk = ref.intra_chunk(x["q"], x["k"], x["gcum"].double() * math.log(2.0), x["beta"], scale)
     assert Aqk.dtype == x["q"].dtype and Akk.dtype == torch.float32
     assert Aqk.shape == Akk.shape == rAqk.shape
@@ -72,6 +72,18 @@ def test_intra_unbounded_gate_never_overflows(name, a):
     assert torch.isfinite(Aqk).all() and torch.isfinite(Akk).all()
     assert rel_err(Aqk, rAqk) < 2e-6
     assert rel_err(Akk, rAkk) < 2e-6
+    assert_structure(Aqk, Akk, 130)
+
+
+@pytest.mark.parametrize("block_k,num_warps", [(16, 4), (64, 8)])
+def test_intra_tuning_knobs(block_k, num_warps):
+    """Other K tiles and warp counts (scripts/bench_stages.py) compute the same matrices, the exact
+    diagonal path included (a gate whose blocks do not fit, as in the test above)."""
+    x = stage_inputs(1, 130, 1, 64, HV=2, gate="softplus", device=kernel_device(), seed=7)
+    x = with_gate(x, -8 * torch.nn.functional.softplus(
+        4 * torch.randn(1, 130, 2, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(7))).to(kernel_device()))
+    Aqk, Akk, rAqk, rAkk = run(x, 0.125, block_k=block_k, num_warps=num_warps)
+    assert rel_err(Aqk, rAqk) < 2e-6 and rel_err(Akk, rAkk) < 2e-6
     assert_structure(Aqk, Akk, 130)
 
 
