@@ -120,9 +120,10 @@ def _store(p_t, o_c, b_A, b_s, m):
 @triton.jit
 def _store_row_block(q, k, gcum, beta, Aqk, Akk, b_Aqk, b_Akk, t0, T, scale, fits,
                      R: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, EXACT_PRECISION: tl.constexpr):
+                     BT: tl.constexpr, BC: tl.constexpr, EXACT_PRECISION: tl.constexpr):
     """Rows of block R: the triangles zeroed, the row scales applied (scale for Aqk, β for Akk); a
-    diagonal block that did not fit is computed exactly and stored in place of the product's."""
+    diagonal block that did not fit is computed exactly (BC channels per step, any BK of the main
+    loop: a product needs K ≥ 16) and stored in place of the product's."""
     o_i = tl.arange(0, BC)
     o_t = t0 + R * BC + o_i
     m_t = o_t < T
@@ -188,13 +189,13 @@ def intra_chunk_kernel(
                                          fits2, 2, H, HV, K, BC, SHIFT, DOT_PRECISION)
         b_Aqk3, b_Akk3 = _row_block_step(q, k, gcum, b_kct, b_gc, o_j, o_k, m_k, t0, T, b_Aqk3, b_Akk3,
                                          fits3, 3, H, HV, K, BC, SHIFT, DOT_PRECISION)
-    _store_row_block(q, k, gcum, beta, Aqk, Akk, b_Aqk0, b_Akk0, t0, T, scale, fits0, 0, H, HV, K, BT, BC, BK,
+    _store_row_block(q, k, gcum, beta, Aqk, Akk, b_Aqk0, b_Akk0, t0, T, scale, fits0, 0, H, HV, K, BT, BC,
                      EXACT_PRECISION)
-    _store_row_block(q, k, gcum, beta, Aqk, Akk, b_Aqk1, b_Akk1, t0, T, scale, fits1, 1, H, HV, K, BT, BC, BK,
+    _store_row_block(q, k, gcum, beta, Aqk, Akk, b_Aqk1, b_Akk1, t0, T, scale, fits1, 1, H, HV, K, BT, BC,
                      EXACT_PRECISION)
-    _store_row_block(q, k, gcum, beta, Aqk, Akk, b_Aqk2, b_Akk2, t0, T, scale, fits2, 2, H, HV, K, BT, BC, BK,
+    _store_row_block(q, k, gcum, beta, Aqk, Akk, b_Aqk2, b_Akk2, t0, T, scale, fits2, 2, H, HV, K, BT, BC,
                      EXACT_PRECISION)
-    _store_row_block(q, k, gcum, beta, Aqk, Akk, b_Aqk3, b_Akk3, t0, T, scale, fits3, 3, H, HV, K, BT, BC, BK,
+    _store_row_block(q, k, gcum, beta, Aqk, Akk, b_Aqk3, b_Akk3, t0, T, scale, fits3, 3, H, HV, K, BT, BC,
                      EXACT_PRECISION)
 
 
