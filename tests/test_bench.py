@@ -64,6 +64,15 @@ def test_plot_is_small(tmp_path):
     assert 0 < path.stat().st_size < 200_000
 
 
+def test_plot_before_any_h32_row(tmp_path, recwarn):
+    """A sweep plots after its first shape, (1, 8192, 96): no H=32 line yet, and no legend warning."""
+    pytest.importorskip("matplotlib")
+    row = dict(B=1, T=8192, H=96, K=128, V=128, mode="safe", fla_ms=2.9, kda_opt_ms=2.0, speedup=1.45)
+    bench.write_plot([row], tmp_path / "b.png", "test")
+    assert (tmp_path / "b.png").stat().st_size > 0
+    assert not [w for w in recwarn if "legend" in str(w.message)]
+
+
 @pytest.mark.parametrize("test", ["naive", "fla", "benchmark", "all"])
 def test_refuses_without_gpu(monkeypatch, capsys, test):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
