@@ -89,7 +89,7 @@ def kda_forward(
         with nvtx_range("kda_opt/gate"):
             gcum = gate_cumsum(g, gate, A_log, dt_bias, chunk_size)
         with nvtx_range("kda_opt/intra"):
-            Aqk, Akk = intra_chunk(q, k, gcum, beta, scale, chunk_size)
+            Aqk, Akk = intra_chunk(q, k, gcum, beta, scale, chunk_size, gate_bounded=gate.bounded)
         with nvtx_range("kda_opt/solve"):
             Tm = solve(Akk, beta, k.dtype)
         with nvtx_range("kda_opt/wuso"):

@@ -16,3 +16,9 @@ class GateConfig:
     in_kernel: bool = False
     lower_bound: float | None = None
     safe_gate: bool = False
+
+    @property
+    def bounded(self) -> bool:
+        """a ≥ −5 by construction (sigmoid gate, lower_bound ∈ [−5, 0]), not only by promise: stage 2
+        then needs no check of its exponents' span."""
+        return self.in_kernel and self.lower_bound is not None and -5.0 <= self.lower_bound <= 0.0

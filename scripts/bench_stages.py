@@ -58,11 +58,11 @@ def main():
     bw, _ = measure_ceilings()
 
     gcum = gate_cumsum(g, gate, a.get("A_log"), a.get("dt_bias"))
-    Aqk, Akk = intra_chunk(q, k, gcum, beta, scale)
+    Aqk, Akk = intra_chunk(q, k, gcum, beta, scale, gate_bounded=gate.bounded)
     Tm = solve(Akk, beta, k.dtype)
     o = torch.empty_like(v)
     rows = [("gate", lambda: gate_cumsum(g, gate, a.get("A_log"), a.get("dt_bias")), nbytes(g, gcum))]
-    rows += [(f"intra {variant_label(kw)}", lambda kw=kw: intra_chunk(q, k, gcum, beta, scale, **kw),
+    rows += [(f"intra {variant_label(kw)}", lambda kw=kw: intra_chunk(q, k, gcum, beta, scale, gate_bounded=gate.bounded, **kw),
               nbytes(q, k, gcum, beta, Aqk, Akk)) for kw in own.intra_variants]
     rows += [(f"solve warps={w or 'default'}", lambda w=w: solve(Akk, beta, k.dtype, **({"num_warps": w} if w else {})),
               nbytes(Akk, beta, Tm)) for w in own.solve_warps]

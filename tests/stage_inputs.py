@@ -9,7 +9,8 @@ from kda_opt import reference as ref
 
 def stage_inputs(B, T, H, K, V=None, HV=None, gate="safe", dtype=torch.float32, device="cpu", seed=0):
     """On `device`: q, k [B, T, H, K], v [B, T, HV, V], β [B, T, HV] in dtype; a and Γ (natural log)
-    in float64; gcum = Γ / ln 2 in fp32. `gate`: "safe" (a ≥ −5 per token) or "softplus" (a down to ≈ −50)."""
+    in float64; gcum = Γ / ln 2 in fp32. `gate`: "safe" (a ≥ −5 per token; bounded=True) or "softplus"
+    (a down to ≈ −50)."""
     V, HV = V or K, HV or H
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, T, H, K, generator=gen)
@@ -21,4 +22,4 @@ def stage_inputs(B, T, H, K, V=None, HV=None, gate="safe", dtype=torch.float32, 
     gamma = ref.chunk_cumsum(a)
     to = lambda t: t.to(device=device, dtype=dtype)
     return dict(q=to(q), k=to(k), v=to(v), beta=to(beta), a=a, gamma=gamma,
-                gcum=(gamma / math.log(2.0)).float())
+                gcum=(gamma / math.log(2.0)).float(), bounded=gate == "safe")

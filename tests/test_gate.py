@@ -56,3 +56,15 @@ def test_gate_ragged_head_dim(K):
 @pytest.mark.parametrize("T", [1, 1000, 8192])
 def test_gate_gpu(mode, dtype, T):
     assert run_case(2, T, 4, 128, mode, dtype, "cuda") < 1e-5
+
+
+@pytest.mark.parametrize("config,bounded", [
+    (GateConfig(in_kernel=True, lower_bound=-5.0, safe_gate=True), True),
+    (GateConfig(in_kernel=True, lower_bound=-3.0), True),
+    (GateConfig(in_kernel=True, lower_bound=-6.0), False),      # below the bound stage 2 assumes
+    (GateConfig(in_kernel=True), False),                         # softplus: unbounded
+    (GateConfig(in_kernel=False, lower_bound=-5.0, safe_gate=True), False),  # a promise, not a construction
+])
+def test_gate_bounded(config, bounded):
+    """Only the sigmoid gate in kernel with lower_bound in [−5, 0] lets stage 2 skip its span check."""
+    assert config.bounded is bounded

@@ -16,6 +16,9 @@ C = 64
 
 
 def run(x, scale, **knobs):
+    """The kernel's Aqk, Akk and the reference's. knobs: intra_chunk's keyword arguments; the gate
+    counts as bounded where x's is (stage_inputs' "safe" gate: a = −5·sigmoid ≥ −5)."""
+    knobs.setdefault("gate_bounded", x.get("bounded", False))
     Aqk, Akk = intra_chunk(x["q"], x["k"], x["gcum"], x["beta"], scale, **knobs)
     rAqk, rAkk = ref.intra_chunk(x["q"], x["k"], x["gcum"].double() * math.log(2.0), x["beta"], scale)
     assert Aqk.dtype == x["q"].dtype and Akk.dtype == torch.float32
@@ -24,9 +27,9 @@ def run(x, scale, **knobs):
 
 
 def with_gate(x, a):
-    """x with its gate replaced by the log-decay a [B, T, HV, K] (float64)."""
+    """x with its gate replaced by the log-decay a [B, T, HV, K] (float64); bounded where a ≥ −5."""
     gamma = ref.chunk_cumsum(a)
-    return {**x, "a": a, "gamma": gamma, "gcum": (gamma / math.log(2.0)).float()}
+    return {**x, "a": a, "gamma": gamma, "gcum": (gamma / math.log(2.0)).float(), "bounded": bool((a >= -5).all())}
 
 
 def assert_structure(Aqk, Akk, T):
@@ -75,7 +78,7 @@ def test_intra_unbounded_gate_never_overflows(name, a):
     assert_structure(Aqk, Akk, 130)
 
 
-@pytest.mark.parametrize("block_k,num_warps", [(16, 4), (64, 8)])
+@pytest.mark.parametrize("block_k,num_warps", [(16, 4), (32, 2), (64, 8)])
 def test_intra_tuning_knobs(block_k, num_warps):
     """Other K tiles and warp counts (scripts/bench_stages.py) compute the same matrices, the exact
     diagonal path included (a gate whose blocks do not fit, as in the test above)."""
@@ -87,13 +90,14 @@ def test_intra_tuning_knobs(block_k, num_warps):
     assert_structure(Aqk, Akk, 130)
 
 
+@pytest.mark.parametrize("gate_bounded", [True, False])
 @pytest.mark.parametrize("a_value", [0.0, -5.0])
-def test_intra_safe_gate_at_its_bounds(a_value):
+def test_intra_safe_gate_at_its_bounds(a_value, gate_bounded):
     """safe_gate's products reference each sub-chunk half-way through its span: exact at a = 0 and at
-    the promised bound a = −5 in every channel and token."""
+    the bound a = −5 in every channel and token, whether the kernel checks the span or not."""
     x = stage_inputs(2, 100, 1, 64, HV=2, gate="safe", device=kernel_device(), seed=3)
     x = with_gate(x, torch.full((2, 100, 2, 64), a_value, dtype=torch.float64, device=kernel_device()))
-    Aqk, Akk, rAqk, rAkk = run(x, 0.125)
+    Aqk, Akk, rAqk, rAkk = run(x, 0.125, gate_bounded=gate_bounded)
     assert rel_err(Aqk, rAqk) < 2e-6 and rel_err(Akk, rAkk) < 2e-6
     assert_structure(Aqk, Akk, 100)
 
