@@ -122,6 +122,8 @@ def intra_chunk_kernel(
     Aqk += (bos * HV + i_hv) * BT
     Akk += (bos * HV + i_hv) * BT
     n = t0 + R * BC                                   # the block's first row
+    if n >= T:
+        return                                        # a tail chunk's blocks past its end
     o_i = tl.arange(0, BC)
     o_t = n + o_i
     m_t = o_t < T
