@@ -12,7 +12,7 @@ row) the row factor is ≤ 2^SHIFT and, inside the diagonal block, the column fa
 span = max_d (Γ_n,d − Γ_last,d) over the block's rows: both far inside fp32's range while
 span ≤ 2·SHIFT, and before n the column factor only shrinks (FLA 0.6.0's safe-gate sub-chunk
 reference). A gate a ≥ −5 per token bounds span by 15·5/ln 2 = 2·SHIFT: the sigmoid gate with
-lower_bound ∈ [−5, 0) always fits, and the launcher says so (gate_bounded). For any other gate the
+lower_bound ∈ [−5, 0] always fits, and the launcher says so (gate_bounded). For any other gate the
 kernel checks every block. A block that does not fit takes C = Γ_n and only the columns before n
 (both factors ≤ 1 for any gate; a factor underflows only where the true 2^(Γ_i − Γ_j) is smaller
 still; FLA's chunk_kda_fwd_kernel_inter_solve_fused), and its diagonal block is computed exactly
@@ -43,15 +43,12 @@ def _tile(p, o_t, m_t, o_k, m_k, STRIDE: tl.constexpr):
 
 @triton.jit
 def _span_fits(gcum, n, T, HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, SHIFT: tl.constexpr):
-    """1 if the diagonal block of the rows n.. n+BC−1 spans at most 2·SHIFT (log2 units) in every
-    channel, else 0."""
+    """1 if the diagonal block of the rows n.. n+BC−1 (n < T) spans at most 2·SHIFT (log2 units) in
+    every channel, else 0."""
     last = tl.minimum(n + BC - 1, T - 1)
     o_k = tl.arange(0, K)
-    # Masks are built per element (n + 0·o_k), never from a scalar comparison: Triton 3.9's
-    # interpreter rejects a mask that involves a scalar one ("mask has unsupported dtype").
-    m_n = n + 0 * o_k < T
-    b_first = tl.load(gcum + n * (HV * K) + o_k, mask=m_n, other=0.0)
-    b_last = tl.load(gcum + last * (HV * K) + o_k, mask=m_n, other=0.0)
+    b_first = tl.load(gcum + n * (HV * K) + o_k)
+    b_last = tl.load(gcum + last * (HV * K) + o_k)
     return (tl.max(b_first - b_last, axis=0) <= 2 * SHIFT).to(tl.int32)
 
 
@@ -141,7 +138,7 @@ def intra_chunk_kernel(
         b_q = _tile(q, o_t, m_t, o_k, m_k, H * K)                         # [BC, BK]
         b_k = _tile(k, o_t, m_t, o_k, m_k, H * K)
         b_g = _tile(gcum, o_t, m_t, o_k, m_k, HV * K)
-        b_c = tl.load(gcum + n * (HV * K) + o_k, mask=m_k & (n + 0 * o_k < T), other=0.0) - SHIFT * fits
+        b_c = tl.load(gcum + n * (HV * K) + o_k, mask=m_k, other=0.0) - SHIFT * fits
         # Exponents are masked before exp2 (rows and columns past T load Γ = 0, where 2^(C − 0) could
         # overflow), so that no inf or NaN arises even in entries that are never stored.
         b_rf = tl.exp2(tl.where(m_t[:, None], b_g - b_c[None, :], -float("inf")))
