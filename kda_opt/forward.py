@@ -1,8 +1,8 @@
-"""`kda_forward`: validate once, then launch the four stages of SPEC §3 on the current stream.
+"""`kda_forward`: validate once, then launch the stages of SPEC §3 on the current stream.
 
     Γ        = gate_cumsum(g)                 stage 1, Triton   (kda_opt/gate)
-    Aqk, Akk = intra_chunk(q, k, Γ, β)        stage 2, Triton   (kda_opt/intra)
-    Tm       = solve(Akk, β)                  stage 3, Triton   (kda_opt/solve)
+    Aqk, Tm  = intra_chunk(q, k, Γ, β)        stages 2+3, Triton (kda_opt/intra: Akk and its
+                                              inverse Tm = (I + Akk)⁻¹ Diag(β) in one kernel)
     o, S     = wuso(q, k, v, Γ, Tm, Aqk, S0)  stage 4, cuTile   (kda_opt/wuso)
 Each stage runs inside an NVTX range of the `kda_opt` domain; nothing here waits on the device.
 """
@@ -14,7 +14,6 @@ import torch
 from .gate import gate_cumsum
 from .intra import intra_chunk
 from .options import GateConfig
-from .solve import solve
 from .wuso import wuso
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -89,9 +88,7 @@ def kda_forward(
         with nvtx_range("kda_opt/gate"):
             gcum = gate_cumsum(g, gate, A_log, dt_bias, chunk_size)
         with nvtx_range("kda_opt/intra"):
-            Aqk, Akk = intra_chunk(q, k, gcum, beta, scale, chunk_size, gate_bounded=gate.bounded)
-        with nvtx_range("kda_opt/solve"):
-            Tm = solve(Akk, beta, k.dtype)
+            Aqk, Tm = intra_chunk(q, k, gcum, beta, scale, chunk_size, gate_bounded=gate.bounded)
         with nvtx_range("kda_opt/wuso"):
             return wuso(q, k, v, gcum, Tm, Aqk, scale, initial_state, output_final_state, chunk_size)
 

@@ -1,11 +1,11 @@
 """Each stage of kda_forward alone, timed with do_bench at one shape, beside its bytes floor.
 
-    python scripts/bench_stages.py [scripts/test.py shape options] [--intra-variants BK:WARPS:STAGES,...]
-                                   [--solve-warps 2,4] [--block-v 32,64,128] [--worker-warps 4,8] [--once]
+    python scripts/bench_stages.py [scripts/test.py shape options] [--intra-warps 2,4]
+                                   [--block-v 32,64,128] [--worker-warps 4,8] [--once]
 Stage inputs come from one real forward on random inputs (Case.inputs, as the benchmark's). A stage's
-floor is the bytes of its inputs and outputs over the copy bandwidth measured here. Stage 2 runs once
-per variant asked for (empty fields: the default), stage 3 once per warp count, stage 4 once per
-(block_v, worker warps) pair; the defaults are the launchers' own choices.
+floor is the bytes of its inputs and outputs over the copy bandwidth measured here. Stage 2 (with the
+inverse, stage 3) runs once per warp count asked for, stage 4 once per (block_v, worker warps) pair;
+the defaults are the launchers' own choices.
 """
 import argparse
 import os
@@ -20,7 +20,6 @@ from kda_opt.bench import case_from_args, measure_ceilings, parse_args as bench_
 from kda_opt.gate import gate_cumsum  # noqa: E402
 from kda_opt.intra import intra_chunk  # noqa: E402
 from kda_opt.options import GateConfig  # noqa: E402
-from kda_opt.solve import solve  # noqa: E402
 
 
 def nbytes(*xs):
@@ -31,21 +30,9 @@ def ints(text):
     return [int(x) for x in text.split(",")] if text else [None]
 
 
-def intra_variants(text):
-    """"32:4:2,16:8:" → [{block_k: 32, num_warps: 4, num_stages: 2}, {block_k: 16, num_warps: 8}]"""
-    names = ("block_k", "num_warps", "num_stages")
-    return [{n: int(v) for n, v in zip(names, item.split(":")) if v} for item in text.split(",")]
-
-
-def variant_label(kw):
-    return ":".join(str(v) for v in kw.values()) or "default"
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--intra-variants", type=intra_variants, default=[{}],
-                   help="stage 2 variants BK:WARPS:STAGES, comma-separated")
-    p.add_argument("--solve-warps", type=ints, default=[None], help="stage 3 warp counts, e.g. 2,4")
+    p.add_argument("--intra-warps", type=ints, default=[None], help="stage 2 warp counts, e.g. 2,4")
     p.add_argument("--block-v", type=ints, default=[None], help="stage 4 V blocks to time, e.g. 32,64,128")
     p.add_argument("--worker-warps", type=ints, default=[None], help="stage 4 worker warps to time, e.g. 4,8")
     p.add_argument("--once", action="store_true", help="run each stage once, untimed (for ncu)")
@@ -58,14 +45,12 @@ def main():
     bw, _ = measure_ceilings()
 
     gcum = gate_cumsum(g, gate, a.get("A_log"), a.get("dt_bias"))
-    Aqk, Akk = intra_chunk(q, k, gcum, beta, scale, gate_bounded=gate.bounded)
-    Tm = solve(Akk, beta, k.dtype)
+    Aqk, Tm = intra_chunk(q, k, gcum, beta, scale, gate_bounded=gate.bounded)
     o = torch.empty_like(v)
     rows = [("gate", lambda: gate_cumsum(g, gate, a.get("A_log"), a.get("dt_bias")), nbytes(g, gcum))]
-    rows += [(f"intra {variant_label(kw)}", lambda kw=kw: intra_chunk(q, k, gcum, beta, scale, gate_bounded=gate.bounded, **kw),
-              nbytes(q, k, gcum, beta, Aqk, Akk)) for kw in own.intra_variants]
-    rows += [(f"solve warps={w or 'default'}", lambda w=w: solve(Akk, beta, k.dtype, **({"num_warps": w} if w else {})),
-              nbytes(Akk, beta, Tm)) for w in own.solve_warps]
+    rows += [(f"intra warps={w or 'default'}",
+              lambda w=w: intra_chunk(q, k, gcum, beta, scale, gate_bounded=gate.bounded, **({"num_warps": w} if w else {})),
+              nbytes(q, k, gcum, beta, Aqk, Tm)) for w in own.intra_warps]
     base_kernel = stage4.wuso_kernel
     for bv in own.block_v:
         for warps in own.worker_warps:

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 # Kernel-name fragments → stage, first match wins. Ours carry their stage in the name; FLA's
 # 0.6.0 forward: gate+cumsum, intra (Aqk, Akk, solve inside), W/U recompute, state pass, output.
 STAGES = {
-    "kda_opt": [("gate_cumsum", "gate"), ("intra", "intra"), ("solve", "solve"), ("wuso", "wuso")],
+    "kda_opt": [("gate_cumsum", "gate"), ("intra", "intra + solve"), ("wuso", "wuso")],
     "fla": [("delta_rule_fwd_kernel_h", "state pass"), ("fwd_kernel_o", "output"), ("recompute_w_u", "W/U"),
             ("inter_solve", "inter + solve"), ("solve_tril", "inter + solve"), ("intra", "intra"),
             ("kda_gate", "gate + cumsum"), ("cumsum", "gate + cumsum")],

@@ -30,7 +30,7 @@ def test_kernels_by_system_and_stage(tmp_path):
         ("fla", "chunk_kda_fwd_kernel_intra_sub_chunk"), ("fla", "chunk_kda_fwd_kernel_inter_solve_fused"),
         ("fla", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64")}
     stages, names = ps.per_stage(kernels, iters=2)
-    assert stages["kda_opt"] == {"gate": 0.001, "intra": 0.003, "wuso": 0.002}
+    assert stages["kda_opt"] == {"gate": 0.001, "intra + solve": 0.003, "wuso": 0.002}
     # "gated" in FLA's state kernel must not read as the gate stage.
     assert stages["fla"] == {"intra": 0.0015, "inter + solve": 0.0025, "state pass": 0.0035}
     assert names["fla"]["chunk_kda_fwd_kernel_intra_sub_chunk"] == [1, 0.0015]
@@ -39,7 +39,7 @@ def test_kernels_by_system_and_stage(tmp_path):
 
 
 def test_torch_trace_columns(tmp_path):
-    (tmp_path / "t.csv").write_text("Start (ns),Duration (ns),Name,System\n0,1000,solve_kernel,kda_opt\n")
+    (tmp_path / "t.csv").write_text("Start (ns),Duration (ns),Name,System\n0,1000,intra_chunk_kernel,kda_opt\n")
     kernels = ps.read_kernels(tmp_path / "t.csv", None)
-    assert kernels == [("kda_opt", "solve_kernel", 1000)]
-    assert ps.kernel_summary(kernels, 1).splitlines()[1].split() == ["1000", "1", "1000", "solve_kernel"]
+    assert kernels == [("kda_opt", "intra_chunk_kernel", 1000)]
+    assert ps.kernel_summary(kernels, 1).splitlines()[1].split() == ["1000", "1", "1000", "intra_chunk_kernel"]
