@@ -179,7 +179,7 @@ def _row_block(q, k, gcum, beta, Aqk, Dkk, t0, R: tl.constexpr, T, scale,
     b_Akk = tl.dot(b_k * b_rf, b_kc, input_precision=DOT_PRECISION)
 
     # The triangles zeroed, the row scales applied (scale for Aqk, β for Akk); a diagonal block that
-    # did not fit is computed exactly and stored in place of the product's.
+    # did not fit was stored by diagonal_exact_kernel, and its Akk part is read back from Dkk.
     o_r = R * BC + o_i
     b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
     p_qk = Aqk + o_t[:, None] * (HV * BT)
