@@ -138,12 +138,13 @@ def diagonal_exact_kernel(
         if _span_fits(gcum, n, T, HV, K, BC, SHIFT) == 0:
             o_i = tl.arange(0, BC)
             o_t = n + o_i
-            m_t = (o_t < T)[:, None]
+            m_t = o_t < T
             b_Dqk, b_Dkk = _diagonal_exact(q + (bos * H + i_h) * K, k + (bos * H + i_h) * K, gcum, o_t,
-                                           o_t < T, T, H, HV, K, BC, EXACT_PRECISION)
+                                           m_t, T, H, HV, K, BC, EXACT_PRECISION)
             p_qk = Aqk + (bos * HV + i_hv) * BT + o_t[:, None] * (HV * BT) + R * BC + o_i[None, :]
-            tl.store(p_qk, (b_Dqk * scale).to(Aqk.dtype.element_ty), mask=m_t)
-            tl.store(Dkk + (bos * HV + i_hv) * BC + o_t[:, None] * (HV * BC) + o_i[None, :], b_Dkk, mask=m_t)
+            tl.store(p_qk, (b_Dqk * scale).to(Aqk.dtype.element_ty), mask=m_t[:, None])
+            tl.store(Dkk + (bos * HV + i_hv) * BC + o_t[:, None] * (HV * BC) + o_i[None, :], b_Dkk,
+                     mask=m_t[:, None])
 
 
 @triton.jit

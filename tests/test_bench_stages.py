@@ -1,4 +1,4 @@
-"""scripts/bench_stages.py: its variant options parse into the launchers' keyword arguments (CPU)."""
+"""scripts/bench_stages.py: its comma-separated list options (warps, V blocks) parse (CPU)."""
 import os
 import sys
 
