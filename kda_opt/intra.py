@@ -20,6 +20,12 @@ factors ≤ 1 for any gate; a factor underflows only where the true 2^(Γ_i − 
 chunk_kda_fwd_kernel_inter_solve_fused), and its diagonal block is computed exactly apart, by a
 kernel that runs first (diagonal_exact_kernel, _diagonal_exact).
 
+Precision. bf16 inputs: the row-block products take bf16 operands, Aqk's q rows split as hi + lo
+(two products: Aqk then carries only the column operand's rounding, 1.7e-3 relative before its
+bf16 store, against 2.4e-3 with one rounded q; emulated in float64). fp16 inputs: one tf32 pass (fp16
+stores Aqk 8× finer than bf16, and its range cannot hold the row factor). fp32 inputs: three tf32
+passes. The inverse and its merges run in tf32 (three passes for fp32 inputs).
+
 Inverse. Block forward substitution over the row blocks, as they are computed (FLA's solve_tril merges
 16×16 inverses the same way): with A_Rm the 16×16 blocks of Akk and E_R the rows of I in block R,
     X_R = (I + A_RR)⁻¹ (E_R − Σ_{m<R} A_Rm X_m),   (I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)(I + A⁸)
@@ -151,7 +157,7 @@ def diagonal_exact_kernel(
 def _row_block(q, k, gcum, beta, Aqk, Dkk, t0, R: tl.constexpr, T, scale,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                BTC: tl.constexpr, SHIFT: tl.constexpr, CHECK_SPAN: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
+               DOT_PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr):
     """Row block R of the chunk at t0 against its first BTC ≥ 16(R + 1) columns. Stores the block's
     Aqk rows (whole rows, zero past BTC, the diagonal block left to diagonal_exact_kernel where it
     did not fit); returns its Akk rows [BC, BTC] (β applied, zero on and above the diagonal),
@@ -176,8 +182,19 @@ def _row_block(q, k, gcum, beta, Aqk, Dkk, t0, R: tl.constexpr, T, scale,
     # overflow), so that no inf or NaN arises even in entries that are never stored.
     b_rf = tl.exp2(tl.where(m_t[:, None], b_g - b_c[None, :], -float("inf")))
     b_kc = b_kct * tl.exp2(tl.where(m_c[None, :], b_c[:, None] - tl.trans(b_gc), -float("inf")))
-    b_Aqk = tl.dot(b_q * b_rf, b_kc, input_precision=DOT_PRECISION)
-    b_Akk = tl.dot(b_k * b_rf, b_kc, input_precision=DOT_PRECISION)
+    b_qr = b_q * b_rf                                                    # [BC, K]
+    b_kr = b_k * b_rf
+    if SPLIT_BF16:
+        # bf16 operands: twice tf32's tensor-core rate and half its staged bytes. Akk's rows and
+        # columns are rounded once (Tm's error stays near 1e-5); Aqk's rows are split as hi + lo, so
+        # that only the columns' rounding reaches Aqk (module docstring, "Precision").
+        b_kc = b_kc.to(tl.bfloat16)
+        b_qh = b_qr.to(tl.bfloat16)
+        b_Aqk = tl.dot(b_qh, b_kc, tl.dot((b_qr - b_qh.to(tl.float32)).to(tl.bfloat16), b_kc))
+        b_Akk = tl.dot(b_kr.to(tl.bfloat16), b_kc)
+    else:
+        b_Aqk = tl.dot(b_qr, b_kc, input_precision=DOT_PRECISION)
+        b_Akk = tl.dot(b_kr, b_kc, input_precision=DOT_PRECISION)
 
     # The triangles zeroed, the row scales applied (scale for Aqk, β for Akk); a diagonal block that
     # did not fit was stored by diagonal_exact_kernel, and its Akk part is read back from Dkk.
@@ -238,7 +255,7 @@ def intra_chunk_kernel(
     q, k, gcum, beta, Aqk, Tm, Dkk,  # [B,T,H,K] ×2, [B,T,HV,K], [B,T,HV], [B,T,HV,BT] ×2, [B,T,HV,BC]
     T, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    SHIFT: tl.constexpr, CHECK_SPAN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SHIFT: tl.constexpr, CHECK_SPAN: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr,
 ):
     # FLA 0.6.0 computes these matrices in three kernels (diagonal blocks, off-diagonal blocks fused
     # with the solve, then the inverse's merges); here one program holds a chunk's Akk in registers,
@@ -260,21 +277,21 @@ def intra_chunk_kernel(
     P: tl.constexpr = DOT_PRECISION
     # Rows past T have zero Akk rows: identity rows of the inverse, never stored, never reached.
     A0, f, D = _row_block(q, k, gcum, beta, Aqk, Dkk, t0, 0, T, scale, H, HV, K, BT, BC, BC, SHIFT,
-                          CHECK_SPAN, P)
+                          CHECK_SPAN, P, SPLIT_BF16)
     X0 = _solve_rows(Tm, t0, 0, T, _diagonal(A0, f, D, CHECK_SPAN), tl.zeros([BC, BT], dtype=tl.float32),
                      b_beta, HV, BT, BC, P)
     A1, f, D = _row_block(q, k, gcum, beta, Aqk, Dkk, t0, 1, T, scale, H, HV, K, BT, BC, 2 * BC, SHIFT,
-                          CHECK_SPAN, P)
+                          CHECK_SPAN, P, SPLIT_BF16)
     A10, A11 = _halves(A1)
     X1 = _solve_rows(Tm, t0, 1, T, _diagonal(A11, f, D, CHECK_SPAN), tl.dot(A10, X0, input_precision=P),
                      b_beta, HV, BT, BC, P)
     A2, f, D = _row_block(q, k, gcum, beta, Aqk, Dkk, t0, 2, T, scale, H, HV, K, BT, BC, BT, SHIFT,
-                          CHECK_SPAN, P)
+                          CHECK_SPAN, P, SPLIT_BF16)
     A20, A21, A22, _ = _quarters(A2)
     b_Y = tl.dot(A21, X1, tl.dot(A20, X0, input_precision=P), input_precision=P)
     X2 = _solve_rows(Tm, t0, 2, T, _diagonal(A22, f, D, CHECK_SPAN), b_Y, b_beta, HV, BT, BC, P)
     A3, f, D = _row_block(q, k, gcum, beta, Aqk, Dkk, t0, 3, T, scale, H, HV, K, BT, BC, BT, SHIFT,
-                          CHECK_SPAN, P)
+                          CHECK_SPAN, P, SPLIT_BF16)
     A30, A31, A32, A33 = _quarters(A3)
     b_Y = tl.dot(A32, X2, tl.dot(A31, X1, tl.dot(A30, X0, input_precision=P), input_precision=P),
                  input_precision=P)
@@ -303,9 +320,8 @@ def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64, *, gate_bo
     intra_chunk_kernel[(B * HV, NT)](
         q, k, gcum, beta, Aqk, Tm, Dkk, T, scale,
         H=H, HV=HV, K=K, BT=chunk_size, BC=BC, SHIFT=SHIFT, CHECK_SPAN=not gate_bounded,
-        # Products on tensor cores in one tf32 pass for 16-bit inputs, as FLA's; fp32 inputs keep
-        # fp32 accuracy (three passes). (The interpreter ignores this and multiplies in fp32.)
-        DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",
+        # Precision (module docstring). The interpreter ignores DOT_PRECISION and multiplies in fp32.
+        DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", SPLIT_BF16=q.dtype == torch.bfloat16,
         num_warps=num_warps,
     )
     return Aqk, Tm

@@ -6,6 +6,9 @@ Per (batch b, value head hv, block of BV value columns), chunk after chunk, carr
 Γ in log2 units; Γ_last is Γ at the chunk's last valid row. In: q, k [B, T, H, K] bf16/fp16/fp32;
 v [B, T, HV, V]; Γ [B, T, HV, K] fp32; Tm [B, T, HV, 64] (k's dtype); Aqk [B, T, HV, 64] (q's dtype,
 scale included); S0 [B, HV, K, V] fp32 or none. Out: o [B, T, HV, V] in v's dtype; S [B, HV, K, V] fp32.
+Products take 16-bit operands (fp32 inputs: fp32) with fp32 accumulation. For bf16 inputs O's Aqk V'
+takes V' as hi + lo, which pays for stage 2's bf16 products (kda_opt/intra): o's error against
+float64, emulated, is 3.3e-3 with them and one rounded V', 2.9e-3 with the split, as with tf32.
 """
 import functools
 
@@ -32,7 +35,8 @@ WORKER_WARPS = 8
 # chunk_gla_fwd_o_gk (fla/ops/gla/chunk.py); S never leaves the chip and W, U never exist.
 @ct.kernel(num_worker_warps=WORKER_WARPS)
 def wuso_kernel(Q, Kx, Vx, G, TM, AQK, S0, O, SF, scale: float,
-                K: ConstInt, BV: ConstInt, C: ConstInt, HAS_S0: ConstBool, STORE_SF: ConstBool):
+                K: ConstInt, BV: ConstInt, C: ConstInt, HAS_S0: ConstBool, STORE_SF: ConstBool,
+                SPLIT_V: ConstBool):
     i_v, i_bh = ct.bid(0), ct.bid(1)
     T, H, HV = Q.shape[1], Q.shape[2], Vx.shape[2]
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -61,8 +65,13 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, S0, O, SF, scale: float,
         # products and W's [C, K] operand in every V block, at the same error against float64 (a
         # torch emulation of both orders, bf16 and fp32, agreed to two digits).
         x = ct.mma((kf * -eg).astype(dt), s_op, v.astype(F32))                     # v − (2^Γ ⊙ k) S
-        v_new = ct.mma(tm.astype(dt), x.astype(dt), ct.zeros((C, BV), dtype=F32)).astype(dt)
+        v_f32 = ct.mma(tm.astype(dt), x.astype(dt), ct.zeros((C, BV), dtype=F32))   # V' [C, BV]
+        v_new = v_f32.astype(dt)
         o = ct.mma((q.astype(F32) * eg * scale).astype(dt), s_op, ct.zeros((C, BV), dtype=F32))
+        if SPLIT_V:
+            # O takes V' as hi + lo (one more product, off the state's chain): V' rounded to
+            # bf16 then reaches O only through S.
+            o = ct.mma(aqk.astype(dt), (v_f32 - v_new.astype(F32)).astype(dt), o)
         o = ct.mma(aqk.astype(dt), v_new, o)                                         # [C, BV]
         ct.store(O, index=(i_b, i_t, i_hv, i_v), tile=o.astype(O.dtype).reshape((1, C, 1, BV)))
         # (k ⊙ 2^(Γ_last − Γ))ᵀ from k and Γ transposed before the product: transposing the product
@@ -99,7 +108,8 @@ def launch_config(q, k, v, gcum, Tm, Aqk, scale, initial_state, o, final_state, 
     absent = _absent(v.device)
     args = (q, k, v, gcum, Tm, Aqk, absent if initial_state is None else initial_state, o,
             absent if final_state is None else final_state, float(scale),
-            q.shape[-1], block_v, chunk_size, initial_state is not None, final_state is not None)
+            q.shape[-1], block_v, chunk_size, initial_state is not None, final_state is not None,
+            q.dtype == torch.bfloat16)
     return (V // block_v, B * HV, 1), args
 
 
