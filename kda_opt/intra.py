@@ -60,14 +60,6 @@ def _halves(x):
 
 
 @triton.jit
-def _cat(a, b):
-    """[M, N], [M, N] → [M, 2N] = [a | b]."""
-    M: tl.constexpr = a.shape[0]
-    N: tl.constexpr = a.shape[1]
-    return tl.reshape(tl.permute(tl.join(a, b), [0, 2, 1]), [M, 2 * N])
-
-
-@triton.jit
 def _quarters(x):
     """[M, 4N] → its four [M, N] column blocks, left to right."""
     left, right = _halves(x)
