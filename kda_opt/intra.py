@@ -24,7 +24,8 @@ Precision. bf16 inputs: the row-block products take bf16 operands, Aqk's q rows 
 (two products: Aqk then carries only the column operand's rounding, 1.7e-3 relative before its
 bf16 store, against 2.4e-3 with one rounded q; emulated in float64). fp16 inputs: one tf32 pass (fp16
 stores Aqk 8× finer than bf16, and its range cannot hold the row factor). fp32 inputs: three tf32
-passes. The inverse and its merges run in tf32 (three passes for fp32 inputs).
+passes. Aqk's diagonal is a row sum in fp32 whatever the dtype. The inverse and its merges run in
+tf32 (three passes for fp32 inputs).
 
 Inverse. Block forward substitution over the row blocks, as they are computed (FLA's solve_tril merges
 16×16 inverses the same way): with A_Rm the 16×16 blocks of Akk and E_R the rows of I in block R,
@@ -194,6 +195,9 @@ def _row_block(q, k, gcum, beta, Aqk, Dkk, t0, R: tl.constexpr, T, scale,
     b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
     p_qk = Aqk + o_t[:, None] * (HV * BT)
     m_diag = (o_j >= R * BC) & (o_j < R * BC + BC) & (fits + 0 * o_j == 0)
+    # Aqk's diagonal, where the decay is 1, is a plain row sum in fp32: with 16-bit product operands
+    # it would carry the column rounding in full, and at T = 1 it is the whole output.
+    b_Aqk = tl.where(o_j[None, :] == o_r[:, None], tl.sum(b_q * b_k, axis=1)[:, None], b_Aqk)
     b_Aqk = tl.where(o_j[None, :] <= o_r[:, None], b_Aqk, 0.0) * scale
     tl.store(p_qk + o_j[None, :], b_Aqk.to(Aqk.dtype.element_ty), mask=m_t[:, None] & ~m_diag[None, :])
     for c0 in tl.static_range(BTC, BT, BTC):
