@@ -12,6 +12,7 @@ import argparse
 import csv
 import dataclasses
 import importlib.util
+import itertools
 import math
 import os
 import sys
@@ -30,26 +31,49 @@ NAIVE_BUDGET = 2 ** 33
 # SPEC §5 sweep: (B, T, H) at K = V = 128, each with the safe and the softplus gate.
 SWEEP_SHAPES = list(dict.fromkeys([(1, 8192, 96), (1, 2048, 16), (8, 4096, 32), (1, 32768, 32),
                                    (2, 16384, 64)] + [(1, 1024 * 2 ** i, 32) for i in range(7)]))
+# The serving rows of the sweep (issue 8), each gate mode too: the varlen mix at H = 32 (NUM_SEQS
+# sequences, lengths uniform in [MIN_SEQ_LEN, 8192], seed 0) and the default shape with q/k l2norm.
+MIN_SEQ_LEN, NUM_SEQS = 64, 64
+SWEEP_SERVING = [dict(H=32, varlen=True), dict(H=96, l2norm=True)]
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
     B: int
-    T: int
+    T: int               # tokens: with seqlens, their sum
     H: int
     K: int
     gate: str            # "safe", "softplus" or "preactivated" (see inputs.GATE_MODES)
     lower_bound: float
     dtype: torch.dtype
     seed: int
+    seqlens: tuple | None = None   # sequences packed along T (cu_seqlens; B = 1)
+    l2norm: bool = False           # use_qk_l2norm_in_kernel
 
     @property
     def label(self):
-        return f"B={self.B} T={self.T} H={self.H} K=V={self.K} {self.gate}"
+        extra = (f" varlen({len(self.seqlens)} seqs)" if self.seqlens else "") + (" l2norm" if self.l2norm else "")
+        return f"B={self.B} T={self.T} H={self.H} K=V={self.K} {self.gate}{extra}"
 
-    def inputs(self, T=None, **kw):
-        args = random_inputs(self.B, T or self.T, self.H, self.K, gate=self.gate, dtype=self.dtype,
-                             seed=self.seed, **kw)
+    @property
+    def tag(self):
+        """The case in file names: b1_t8192_h96_k128_safe[_varlen64][_l2norm]."""
+        return (f"b{self.B}_t{self.T}_h{self.H}_k{self.K}_{self.gate}"
+                + (f"_varlen{len(self.seqlens)}" if self.seqlens else "") + ("_l2norm" if self.l2norm else ""))
+
+    def trimmed(self, T):
+        """The case cut to its first T tokens (packed: the first sequences, the last one cut)."""
+        if T >= self.T:
+            return self
+        seqlens = self.seqlens
+        if seqlens:
+            ends = [e for e in itertools.accumulate(seqlens) if e < T]
+            seqlens = tuple(b - a for a, b in zip([0, *ends], [*ends, T]))
+        return dataclasses.replace(self, T=T, seqlens=seqlens)
+
+    def inputs(self, **kw):
+        args = random_inputs(self.B, self.T, self.H, self.K, gate=self.gate, dtype=self.dtype, seed=self.seed,
+                             seqlens=self.seqlens, l2norm=self.l2norm, **kw)
         if "lower_bound" in args:
             args["lower_bound"] = self.lower_bound
         return args
@@ -69,6 +93,13 @@ def parse_args(argv=None):
     p.add_argument("--no-safe-gate", dest="safe_gate", action="store_false",
                    help="softplus gate, unbounded decay (default: safe gate, sigmoid with lower bound)")
     p.add_argument("--lower-bound", type=float, default=-5.0)
+    p.add_argument("--varlen", action="store_true",
+                   help=f"pack --num-seqs sequences along T (cu_seqlens), lengths uniform in "
+                        f"[{MIN_SEQ_LEN}, --seq-len] (seeded); B must be 1")
+    p.add_argument("--num-seqs", type=int, default=NUM_SEQS, help="sequences of --varlen")
+    p.add_argument("--seq-lens", type=lambda t: tuple(int(x) for x in t.split(",")),
+                   help="pack sequences of exactly these lengths, e.g. 1300,547,2048 (implies --varlen)")
+    p.add_argument("--l2norm", action="store_true", help="q and k L2-normalised in kernel (use_qk_l2norm_in_kernel)")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
@@ -81,23 +112,53 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.chunk_size != 64:
         p.error("--chunk-size: kda_opt computes chunk size 64 only")
+    if (args.varlen or args.seq_lens) and args.batch_size != 1:
+        p.error("--varlen / --seq-lens pack sequences into one batch entry: --batch-size must be 1")
+    if args.seq_lens and min(args.seq_lens) < 1:
+        p.error("--seq-lens: every length must be ≥ 1")
+    if args.varlen and not args.seq_lens and (args.num_seqs < 1 or args.seq_len < MIN_SEQ_LEN):
+        p.error(f"--varlen needs --num-seqs ≥ 1 and --seq-len ≥ {MIN_SEQ_LEN}")
     return args
 
 
-def case_from_args(args, B=None, T=None, H=None, gate=None):
+def sweep_cases(args):
+    """SPEC §5's shapes, then the serving rows, for each gate mode of --sweep-gates."""
+    gates = args.sweep_gates.split(",")
+    cases = [case_from_args(args, B, T, H, gate, varlen=False, l2norm=False)
+             for gate in gates for B, T, H in SWEEP_SHAPES]
+    return cases + [case_from_args(args, 1, 8192, row["H"], gate, varlen=row.get("varlen", False),
+                                   l2norm=row.get("l2norm", False)) for gate in gates for row in SWEEP_SERVING]
+
+
+def varlen_lengths(num_seqs, max_len, seed):
+    """num_seqs lengths uniform in [MIN_SEQ_LEN, max_len], from their own generator (seed)."""
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(MIN_SEQ_LEN, max_len + 1, (num_seqs,), generator=gen).tolist())
+
+
+def case_from_args(args, B=None, T=None, H=None, gate=None, varlen=None, l2norm=None):
+    """The case the options describe; the keywords override them (the sweep's rows)."""
     if gate is None:
         gate = "preactivated" if not args.gate_in_kernel else "safe" if args.safe_gate else "softplus"
-    return Case(B or args.batch_size, T or args.seq_len, H or args.num_heads, args.head_dim, gate,
-                args.lower_bound, DTYPES[args.dtype], args.seed)
+    T = T or args.seq_len
+    if varlen is None:  # as the options say
+        seqlens = args.seq_lens or (varlen_lengths(args.num_seqs, T, args.seed) if args.varlen else None)
+    else:
+        seqlens = varlen_lengths(args.num_seqs, T, args.seed) if varlen else None
+    if seqlens:
+        B, T = 1, sum(seqlens)
+    return Case(B or args.batch_size, T, H or args.num_heads, args.head_dim, gate, args.lower_bound,
+                DTYPES[args.dtype], args.seed, seqlens, args.l2norm if l2norm is None else l2norm)
 
 
 # ---- floors: the fewest bytes and FLOPs the forward needs ----
 
 def min_bytes(c: Case) -> int:
-    """Each input read once, each output written once: q, k, v, g, o, β and the final state."""
+    """Each input read once, each output written once: q, k, v, g, o, β and the final states."""
     elt = torch.finfo(c.dtype).bits // 8
     n = c.B * c.T * c.H
-    return n * (4 * c.K * elt + c.K * elt + elt) + c.B * c.H * c.K * c.K * 4
+    seqs = len(c.seqlens) if c.seqlens else c.B
+    return n * (4 * c.K * elt + c.K * elt + elt) + seqs * c.H * c.K * c.K * 4
 
 
 def min_flops(c: Case) -> int:
@@ -105,7 +166,8 @@ def min_flops(c: Case) -> int:
     U 2·C²V, V' = WS, qS and the state update 2·CKV each, Aqk·V' 2·C²V (triangles counted full)."""
     C, K, V = 64, c.K, c.K
     per_chunk = 3 * 2 * C * C * K + 2 * 2 * C * C * V + 3 * 2 * C * K * V
-    return c.B * c.H * math.ceil(c.T / C) * per_chunk
+    chunks = sum(math.ceil(n / C) for n in c.seqlens) if c.seqlens else c.B * math.ceil(c.T / C)
+    return c.H * chunks * per_chunk
 
 
 def measure_ceilings():
@@ -133,7 +195,7 @@ def check_naive(c: Case, fla=None):
     T = naive_T(c)
     if T < c.T:
         print(f"  naive: T trimmed from {c.T} to {T} to keep the float64 recurrence quick")
-    args = c.inputs(T=T, initial_state=True)
+    args = c.trimmed(T).inputs(initial_state=True)
     ref_o, ref_s = reference_forward(**args)
     o, s = kda_forward(**args)
     row = {"o": rel_err(o, ref_o), "state": rel_err(s, ref_s)}
@@ -178,7 +240,8 @@ def benchmark(c: Case, fla, warmup, rep, ceilings):
     fla_ms, ours_ms = (sorted(times[n])[1] for n in runs)
     bw, rate = ceilings
     nbytes, flops = min_bytes(c), min_flops(c)
-    row = dict(B=c.B, T=c.T, H=c.H, K=c.K, V=c.K, mode=c.gate, fla_ms=fla_ms, kda_opt_ms=ours_ms,
+    row = dict(B=c.B, T=c.T, H=c.H, K=c.K, V=c.K, mode=c.gate, varlen=len(c.seqlens or ()), l2norm=int(c.l2norm),
+               fla_ms=fla_ms, kda_opt_ms=ours_ms,
                speedup=fla_ms / ours_ms, tbps=nbytes / (ours_ms * 1e-3) / 1e12,
                tflops=flops / (ours_ms * 1e-3) / 1e12,
                bytes_floor_pct=100 * nbytes / bw / (ours_ms * 1e-3),
@@ -191,11 +254,11 @@ def benchmark(c: Case, fla, warmup, rep, ceilings):
 
 # ---- sweep output ----
 
-CSV_FIELDS = ["B", "T", "H", "K", "V", "mode", "fla_ms", "kda_opt_ms", "speedup", "tbps", "tflops",
-              "bytes_floor_pct", "flops_floor_pct"]
-
-
-ROW_KEY = ("B", "T", "H", "K", "mode")
+# varlen: sequences packed along T (0: a fixed-length batch of B); l2norm: 1 with q/k l2norm in kernel.
+CSV_FIELDS = ["B", "T", "H", "K", "V", "mode", "varlen", "l2norm", "fla_ms", "kda_opt_ms", "speedup", "tbps",
+              "tflops", "bytes_floor_pct", "flops_floor_pct"]
+ROW_KEY = ("B", "T", "H", "K", "mode", "varlen", "l2norm")
+ROW_DEFAULTS = {"varlen": 0, "l2norm": 0}  # rows of CSVs written before these columns existed
 
 
 def read_csv(path):
@@ -208,11 +271,11 @@ def read_csv(path):
 
 
 def merge_rows(old, new):
-    """old rows with those of the same shape and mode replaced by new ones, sorted by mode, H, B, T."""
+    """old rows with those of the same case replaced by new ones, sorted by mode, varlen, l2norm, H, B, T."""
     key = lambda r: tuple(r[k] for k in ROW_KEY)
-    merged = {key(r): r for r in old}
-    merged.update({key(r): r for r in new})
-    return sorted(merged.values(), key=lambda r: (r["mode"], r["H"], r["B"], r["T"]))
+    merged = {key(r): r for r in ({**ROW_DEFAULTS, **r} for r in old)}
+    merged.update({key(r): r for r in ({**ROW_DEFAULTS, **r} for r in new)})
+    return sorted(merged.values(), key=lambda r: (r["mode"], r["varlen"], r["l2norm"], r["H"], r["B"], r["T"]))
 
 
 def write_csv(rows, path):
@@ -220,7 +283,7 @@ def write_csv(rows, path):
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         w.writeheader()
         for r in rows:
-            w.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in r.items()})
+            w.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in {**ROW_DEFAULTS, **r}.items()})
 
 
 def write_plot(rows, path, title):
@@ -231,7 +294,8 @@ def write_plot(rows, path, title):
     fig, ax = plt.subplots(figsize=(7, 4), dpi=80)
     ax2 = ax.twinx()
     for mode, style in (("safe", "-"), ("softplus", "--")):
-        pts = sorted((r["T"], r) for r in rows if r["mode"] == mode and r["H"] == 32 and r["B"] == 1)
+        pts = sorted((r["T"], r) for r in rows
+                     if r["mode"] == mode and r["H"] == 32 and r["B"] == 1 and not r.get("varlen") and not r.get("l2norm"))
         if not pts:
             continue
         Ts = [t for t, _ in pts]
@@ -277,8 +341,7 @@ def main(argv=None) -> int:
     ok = True
     if args.sweep:
         ceilings = measure_ceilings()
-        cases = [case_from_args(args, B, T, H, gate) for gate in args.sweep_gates.split(",")
-                 for B, T, H in SWEEP_SHAPES]
+        cases = sweep_cases(args)
         os.makedirs(args.out_dir, exist_ok=True)
         base = os.path.join(args.out_dir, f"benchmark_{gpu_tag()}")
         rows = read_csv(base + ".csv")
@@ -304,11 +367,12 @@ def main(argv=None) -> int:
 
 
 def print_table(rows):
-    print(f"\n{'B':>2} {'T':>6} {'H':>3} {'mode':>8} {'FLA ms':>8} {'ours ms':>8} {'speedup':>7} "
-          f"{'TB/s':>5} {'TFLOP/s':>7}")
+    print(f"\n{'B':>2} {'T':>6} {'H':>3} {'mode':>8} {'varlen':>6} {'l2':>2} {'FLA ms':>8} {'ours ms':>8} "
+          f"{'speedup':>7} {'TB/s':>5} {'TFLOP/s':>7}")
     for r in rows:
-        print(f"{r['B']:>2} {r['T']:>6} {r['H']:>3} {r['mode']:>8} {r['fla_ms']:>8.3f} "
-              f"{r['kda_opt_ms']:>8.3f} {r['speedup']:>6.2f}× {r['tbps']:>5.2f} {r['tflops']:>7.0f}")
+        r = {**ROW_DEFAULTS, **r}
+        print(f"{r['B']:>2} {r['T']:>6} {r['H']:>3} {r['mode']:>8} {r['varlen']:>6} {r['l2norm']:>2} "
+              f"{r['fla_ms']:>8.3f} {r['kda_opt_ms']:>8.3f} {r['speedup']:>6.2f}× {r['tbps']:>5.2f} {r['tflops']:>7.0f}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """`kda_forward`: validate once, then launch the stages of SPEC §3 on the current stream.
 
+    seqs     = packed(cu_seqlens)             packed sequences only: chunk table (kda_opt/seqs)
     Γ        = gate_cumsum(g)                 stage 1, Triton   (kda_opt/gate)
     Aqk, Tm  = intra_chunk(q, k, Γ, β)        stages 2+3, Triton (kda_opt/intra: Akk and its
                                               inverse Tm = (I + Akk)⁻¹ Diag(β) in one kernel)
@@ -14,10 +15,11 @@ import torch
 from .gate import gate_cumsum
 from .intra import intra_chunk
 from .options import GateConfig
+from .seqs import fixed, packed
 from .wuso import wuso
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = (64, 128)  # K and V each; FLA also takes 256, which stage 2's registers cannot hold
 SAFE_LOWER_BOUND = (-5.0, 0.0)  # the range in which safe_gate keeps in-chunk exponents bounded
 
 nvtx_range = functools.partial(nvtx.annotate, domain="kda_opt")
@@ -32,11 +34,15 @@ def kda_forward(
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    *,
+    use_qk_l2norm_in_kernel: bool = False,
     use_gate_in_kernel: bool = False,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     safe_gate: bool = False,
     lower_bound: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_size: int = 64,
 ):
     r"""Forward pass of Kimi Delta Attention; the same function as FLA 0.6.0 ``chunk_kda``.
@@ -52,9 +58,15 @@ def kda_forward(
             the log-decay ``a ≤ 0`` itself.
         beta: ``[B, T, HV]`` delta-rule write strength (post-sigmoid), any float dtype.
         scale: query scale; default ``K ** -0.5``.
-        initial_state: ``[B, HV, K, V]`` state before token 0; float32 (another float dtype is
-            cast to float32 once). None starts from zero.
-        output_final_state: also return the state after the last token, ``[B, HV, K, V]`` float32.
+        initial_state: ``[N, HV, K, V]`` state before each sequence's first token (N = B, or the
+            number of packed sequences); float32 (another float dtype is cast to float32 once).
+            None starts from zero.
+        output_final_state: also return the state after each sequence's last token,
+            ``[N, HV, K, V]`` float32.
+
+    Keyword-only (as FLA names them):
+        use_qk_l2norm_in_kernel: L2-normalise q and k per head and token, ``x / sqrt(Σ x² + 1e-6)``,
+            as they are read (no pass of its own); the same function as normalising before the call.
         use_gate_in_kernel: activate ``g`` here: ``a = lower_bound · sigmoid(exp(A_log) · (g +
             dt_bias))`` when ``lower_bound`` is given (A_log optional), else ``a = −exp(A_log) ·
             softplus(g + dt_bias)`` (A_log required).
@@ -64,16 +76,25 @@ def kda_forward(
             intra-chunk products run on tensor cores in 16-bit. With ``use_gate_in_kernel`` it
             requires ``lower_bound``.
         lower_bound: see ``use_gate_in_kernel`` and ``safe_gate``.
+        cu_seqlens: ``[N + 1]`` int32/int64 on q's device: N sequences packed along T (B must be
+            1), sequence n being tokens ``cu_seqlens[n] .. cu_seqlens[n+1] − 1``, each with its own
+            initial and final state; chunks never cross a sequence boundary. Its values must rise
+            from 0 to T (lengths ≥ 0); they are read on the device only, so they are not checked
+            there (values that break this give wrong rows, never an access out of bounds).
+        cu_seqlens_cpu: the same values on the CPU (optional, as in FLA): then they are checked
+            here, without a host-device synchronisation. Nothing else uses it: kda_forward never
+            needs the lengths on the host.
         chunk_size: 64 (the only size this engine computes).
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state as above, or None.
 
-    Inputs that are not contiguous are made contiguous (a copy). Bad inputs raise ValueError or
-    TypeError naming the argument before any kernel runs. No host-device synchronisation.
+    Supported head dims: K and V each 64 or 128 (any pair). Inputs that are not contiguous are made
+    contiguous (a copy). Bad inputs raise ValueError or TypeError naming the argument before any
+    kernel runs. No host-device synchronisation.
     """
     gate = _validate(q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias,
-                     safe_gate, lower_bound, chunk_size)
+                     safe_gate, lower_bound, cu_seqlens, cu_seqlens_cpu, chunk_size)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
         initial_state = initial_state.to(torch.float32).contiguous()
@@ -84,17 +105,26 @@ def kda_forward(
         A_log = dt_bias = None
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
 
+    B, T = q.shape[:2]
+    l2norm = use_qk_l2norm_in_kernel
     with nvtx_range("kda_opt/forward"):
+        if cu_seqlens is None:
+            seqs = fixed(B, T, chunk_size)
+        else:
+            with nvtx_range("kda_opt/seqs"):
+                seqs = packed(cu_seqlens, T, chunk_size)
         with nvtx_range("kda_opt/gate"):
-            gcum = gate_cumsum(g, gate, A_log, dt_bias, chunk_size)
+            gcum = gate_cumsum(g, gate, A_log, dt_bias, chunk_size, seqs)
         with nvtx_range("kda_opt/intra"):
-            Aqk, Tm = intra_chunk(q, k, gcum, beta, scale, chunk_size, gate_bounded=gate.bounded)
+            Aqk, Tm = intra_chunk(q, k, gcum, beta, scale, chunk_size, gate_bounded=gate.bounded, seqs=seqs,
+                                  l2norm=l2norm)
         with nvtx_range("kda_opt/wuso"):
-            return wuso(q, k, v, gcum, Tm, Aqk, scale, initial_state, output_final_state, chunk_size)
+            return wuso(q, k, v, gcum, Tm, Aqk, scale, initial_state, output_final_state, chunk_size,
+                        cu_seqlens=cu_seqlens, l2norm=l2norm)
 
 
 def _validate(q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias,
-              safe_gate, lower_bound, chunk_size) -> GateConfig:
+              safe_gate, lower_bound, cu_seqlens, cu_seqlens_cpu, chunk_size) -> GateConfig:
     """Checks every argument's type, shape, dtype and device; returns the gate configuration."""
     named = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
     optional = {"initial_state": initial_state, "A_log": A_log, "dt_bias": dt_bias}
@@ -118,15 +148,18 @@ def _validate(q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bia
     if HV % H != 0 or HV < 1:
         raise ValueError(f"v's head count ({HV}) must be a positive multiple of q's ({H})")
     if K not in SUPPORTED_HEAD_DIMS or V not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dims K (q, k) and V (v) must each be one of {SUPPORTED_HEAD_DIMS}, "
-                         f"got K={K}, V={V}")
+        raise ValueError(f"head dims K (q, k) and V (v) must each be one of {SUPPORTED_HEAD_DIMS} "
+                         f"(FLA also takes 256; kda_opt does not), got K={K}, V={V}")
     for name in ("q", "k", "v"):
         if named[name].dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} must be bfloat16, float16 or float32, got {named[name].dtype}")
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if initial_state is not None and tuple(initial_state.shape) != (B, HV, K, V):
-        raise ValueError(f"initial_state must have shape {[B, HV, K, V]}, got {list(initial_state.shape)}")
+    N = B if cu_seqlens is None and cu_seqlens_cpu is None else _validate_seqlens(cu_seqlens, cu_seqlens_cpu, B, T)
+    if initial_state is not None and tuple(initial_state.shape) != (N, HV, K, V):
+        raise ValueError(f"initial_state must have shape {[N, HV, K, V]} (N = "
+                         f"{'B' if cu_seqlens is None else 'the number of sequences'}), "
+                         f"got {list(initial_state.shape)}")
     if chunk_size != 64:
         raise ValueError(f"chunk_size must be 64, got {chunk_size}")
 
@@ -150,7 +183,36 @@ def _validate(q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bia
     device = q.device
     if device.type != "cuda":
         raise ValueError(f"q must be on a CUDA device, got {device}")
-    for name, x in {**named, **optional}.items():
+    for name, x in {**named, **optional, "cu_seqlens": cu_seqlens}.items():
         if x is not None and x.device != device:
             raise ValueError(f"{name} must be on {device} like q, got {x.device}")
     return GateConfig(in_kernel=use_gate_in_kernel, lower_bound=lower_bound, safe_gate=safe_gate)
+
+
+def _validate_seqlens(cu_seqlens, cu_seqlens_cpu, B, T) -> int:
+    """Checks cu_seqlens' type, dtype and shape, and cu_seqlens_cpu's values when given; returns N."""
+    if cu_seqlens is None:
+        raise ValueError("cu_seqlens_cpu is given without cu_seqlens (the device copy the kernels read)")
+    for name, x in (("cu_seqlens", cu_seqlens), ("cu_seqlens_cpu", cu_seqlens_cpu)):
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be int32 or int64, got {x.dtype}")
+        if x.dim() != 1 or x.shape[0] < 2:
+            raise ValueError(f"{name} must have shape [N + 1] with N ≥ 1, got {list(x.shape)}")
+    if B != 1:
+        raise ValueError(f"with cu_seqlens the sequences are packed along T: q's batch size must be 1, "
+                         f"got B={B}")
+    if cu_seqlens_cpu is not None:
+        if cu_seqlens_cpu.device.type != "cpu":
+            raise ValueError(f"cu_seqlens_cpu must be on the CPU, got {cu_seqlens_cpu.device}")
+        if cu_seqlens_cpu.shape != cu_seqlens.shape:
+            raise ValueError(f"cu_seqlens_cpu must have cu_seqlens' shape {list(cu_seqlens.shape)}, "
+                             f"got {list(cu_seqlens_cpu.shape)}")
+        lens = cu_seqlens_cpu.diff()
+        if cu_seqlens_cpu[0] != 0 or cu_seqlens_cpu[-1] != T or (lens < 0).any():
+            raise ValueError(f"cu_seqlens_cpu must rise from 0 to T={T}, got {cu_seqlens_cpu.tolist()[:8]}"
+                             f"{' ...' if len(cu_seqlens_cpu) > 8 else ''}")
+    return cu_seqlens.shape[0] - 1

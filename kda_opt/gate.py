@@ -5,12 +5,14 @@
     a = g                                                    (gate not activated in kernel)
     Γ_t = Σ_{s ≤ t in t's chunk} a_s / ln 2                  (log2 units: later stages use exp2)
 In: g [B, T, HV, K] (any float dtype), A_log [HV] fp32, dt_bias [HV·K] fp32.  Out: Γ [B, T, HV, K] fp32.
+Chunks start at each sequence's first token (kda_opt/seqs: fixed-length or packed sequences).
 """
 import torch
 import triton
 import triton.language as tl
 
 from .options import GateConfig
+from .seqs import Seqs, chunk_span, fixed
 
 # Gate modes, resolved once by the launcher from the GateConfig.
 PREACTIVATED: tl.constexpr = tl.constexpr(0)
@@ -18,20 +20,22 @@ SIGMOID: tl.constexpr = tl.constexpr(1)
 SOFTPLUS: tl.constexpr = tl.constexpr(2)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def gate_cumsum_kernel(
     g, A_log, dt_bias, gcum,       # [B, T, HV, K], [HV], [HV·K], [B, T, HV, K]
+    cu_seqlens, chunk_indices,      # packed sequences (kda_opt/seqs)
     T, lower_bound,
     HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-    MODE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr,
+    MODE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, PACKED: tl.constexpr,
 ):
-    i_bh, i_t, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_bh, i_t, i_k = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % HV
+    bos, T, i_t = chunk_span(i_bh // HV, i_t, T, cu_seqlens, chunk_indices, PACKED)
     o_t = i_t * C + tl.arange(0, C)
     o_k = i_k * BK + tl.arange(0, BK)
     m_tk = (o_t[:, None] < T) & (o_k[None, :] < K)
-    # Row t of head (b, h) sits at ((b·T + t)·HV + h)·K; the batch index folds into i_bh // HV.
-    o_tk = ((i_bh // HV * T + o_t[:, None]).to(tl.int64) * HV + i_h) * K + o_k[None, :]
+    # Row t of the sequence starting at row bos, head h, sits at ((bos + t)·HV + h)·K.
+    o_tk = ((bos + o_t[:, None]) * HV + i_h) * K + o_k[None, :]
     b_x = tl.load(g + o_tk, mask=m_tk, other=0.0).to(tl.float32)
     if MODE != PREACTIVATED:
         if HAS_BIAS:
@@ -50,16 +54,19 @@ def gate_cumsum_kernel(
     tl.store(gcum + o_tk, b_g, mask=m_tk)
 
 
-def gate_cumsum(g: torch.Tensor, gate: GateConfig, A_log=None, dt_bias=None, chunk_size: int = 64):
-    """Γ = chunk-local cumsum of the activated gate, in log2 units: [B, T, HV, K] float32."""
+def gate_cumsum(g: torch.Tensor, gate: GateConfig, A_log=None, dt_bias=None, chunk_size: int = 64,
+                seqs: Seqs | None = None):
+    """Γ = chunk-local cumsum of the activated gate, in log2 units: [B, T, HV, K] float32. seqs: the
+    sequence layout (kda_opt/seqs); None is B sequences of T tokens."""
     B, T, HV, K = g.shape
+    seqs = seqs or fixed(B, T, chunk_size)
     mode = PREACTIVATED if not gate.in_kernel else SIGMOID if gate.lower_bound is not None else SOFTPLUS
     gcum = torch.empty(B, T, HV, K, dtype=torch.float32, device=g.device)
     BK = min(64, triton.next_power_of_2(K))
-    grid = (B * HV, triton.cdiv(T, chunk_size), triton.cdiv(K, BK))
+    grid = (B * HV, seqs.chunk_slots, triton.cdiv(K, BK))
     gate_cumsum_kernel[grid](
-        g, A_log, dt_bias, gcum, T, float(gate.lower_bound or 0.0),
+        g, A_log, dt_bias, gcum, *seqs.pointers(gcum), T, float(gate.lower_bound or 0.0),
         HV=HV, K=K, C=chunk_size, BK=BK,
-        MODE=mode, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
+        MODE=mode, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, PACKED=seqs.packed,
     )
     return gcum

@@ -3,9 +3,10 @@
     Aqk[i,j] = scale · Σ_d q_i,d k_j,d 2^(Γ_i,d − Γ_j,d)   (i ≥ j in one chunk of 64)
     Akk[i,j] = β_i   · Σ_d k_i,d k_j,d 2^(Γ_i,d − Γ_j,d)   (i > j)
     Tm       = (I + Akk)⁻¹ Diag(β)
-In: q, k [B, T, H, K] (bf16/fp16/fp32); Γ [B, T, HV, K] fp32 in log2 units; β [B, T, HV]; value head
-hv reads q/k head hv // (HV / H). Out: Aqk [B, T, HV, 64] in q's dtype, Tm [B, T, HV, 64] in k's dtype;
-row per token, column = position in its chunk, zero above the diagonal and past a tail chunk's end.
+In: q, k [B, T, H, K] (bf16/fp16/fp32; L2-normalised per row here if asked); Γ [B, T, HV, K] fp32 in
+log2 units; β [B, T, HV]; value head hv reads q/k head hv // (HV / H). Out: Aqk [B, T, HV, 64] in q's
+dtype, Tm [B, T, HV, 64] in k's dtype; row per token, column = position in its chunk, zero above the
+diagonal and past a tail chunk's end. Chunks start at each sequence's first token (kda_opt/seqs).
 Akk never leaves the registers.
 
 Products. The chunk's rows are taken in four 16-row blocks R, each one product over its columns on
@@ -38,18 +39,37 @@ import torch
 import triton
 import triton.language as tl
 
+from .options import L2NORM_EPS
+from .seqs import Seqs, chunk_span, fixed
+
 BC = 16  # sub-chunk: rows are computed in blocks of 16, the diagonal in 16×16 blocks
 # Warps per chunk, measured on H100 at the default shape (NOTES.md); and per 16-row block of the
 # exact diagonal path.
 NUM_WARPS = 4
 EXACT_NUM_WARPS = 2
 SHIFT = 0.5 * (BC - 1) * 5.0 / math.log(2.0)
+L2_EPS: tl.constexpr = tl.constexpr(L2NORM_EPS)
 
 
 @triton.jit
 def _tile(p, o_t, m_t, o_k, STRIDE: tl.constexpr):
     """Whole rows o_t (tokens, STRIDE apart) × channels o_k of p as fp32, zero where not m_t."""
     return tl.load(p + o_t[:, None] * STRIDE + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rstd(x):
+    """1 / sqrt(Σ x² + eps) per row of x [M, K]: FLA's l2norm (use_qk_l2norm_in_kernel)."""
+    return tl.rsqrt(tl.sum(x * x, axis=1) + L2_EPS)
+
+
+@triton.jit
+def _qk_tile(p, o_t, m_t, K: tl.constexpr, STRIDE: tl.constexpr, L2NORM: tl.constexpr):
+    """Whole q or k rows [len(o_t), K] as fp32, L2-normalised when L2NORM."""
+    x = _tile(p, o_t, m_t, tl.arange(0, K), STRIDE)
+    if L2NORM:
+        x = x * _rstd(x)[:, None]
+    return x
 
 
 @triton.jit
@@ -83,7 +103,7 @@ def _span_fits(gcum, n, T, HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, 
 
 @triton.jit
 def _diagonal_exact(q, k, gcum, o_t, m_t, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                    BC: tl.constexpr, EXACT_PRECISION: tl.constexpr):
+                    BC: tl.constexpr, EXACT_PRECISION: tl.constexpr, L2NORM: tl.constexpr):
     """The diagonal block of rows o_t for an unbounded gate: [BC, BC] for q (diagonal included) and
     k (strictly lower). No single reference row serves a whole diagonal block. FLA computes these
     entries token by token (chunk_kda_fwd_kernel_intra_token_parallel); here the block is split
@@ -95,10 +115,16 @@ def _diagonal_exact(q, k, gcum, o_t, m_t, T, H: tl.constexpr, HV: tl.constexpr, 
     o_i = tl.arange(0, BC)
     b_Aqk = tl.zeros([BC, BC], dtype=tl.float32)
     b_Akk = tl.zeros([BC, BC], dtype=tl.float32)
+    if L2NORM:
+        b_rq = _rstd(_tile(q, o_t, m_t, tl.arange(0, K), H * K))
+        b_rk = _rstd(_tile(k, o_t, m_t, tl.arange(0, K), H * K))
     for k0 in range(0, K, BC):
         o_k = k0 + tl.arange(0, BC)
         b_q = _tile(q, o_t, m_t, o_k, H * K)
         b_k = _tile(k, o_t, m_t, o_k, H * K)
+        if L2NORM:
+            b_q = b_q * b_rq[:, None]
+            b_k = b_k * b_rk[:, None]
         b_g = _tile(gcum, o_t, m_t, o_k, HV * K)
         for LVL in tl.static_range(0, 4):
             GROUP = BC >> LVL
@@ -119,9 +145,10 @@ def _diagonal_exact(q, k, gcum, o_t, m_t, T, H: tl.constexpr, HV: tl.constexpr, 
 @triton.jit(do_not_specialize=["T"])
 def diagonal_exact_kernel(
     q, k, gcum, Aqk, Dkk,           # [B,T,H,K] ×2, [B,T,HV,K], [B,T,HV,BT], [B,T,HV,BC]
+    cu_seqlens, chunk_indices,       # packed sequences (kda_opt/seqs)
     T, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    SHIFT: tl.constexpr, EXACT_PRECISION: tl.constexpr,
+    SHIFT: tl.constexpr, EXACT_PRECISION: tl.constexpr, PACKED: tl.constexpr, L2NORM: tl.constexpr,
 ):
     # For an unbounded gate, before intra_chunk_kernel: one program per 16-row block; a block whose
     # diagonal does not fit gets it exactly, Aqk's in place (scale applied) and Akk's (without β)
@@ -130,7 +157,7 @@ def diagonal_exact_kernel(
     i_bh, R = i_bhr // (BT // BC), i_bhr % (BT // BC)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
-    bos = i_b * T
+    bos, T, i_t = chunk_span(i_b, i_t, T, cu_seqlens, chunk_indices, PACKED)
     n = i_t * BT + R * BC
     if n < T:
         gcum += (bos * HV + i_hv) * K
@@ -139,7 +166,7 @@ def diagonal_exact_kernel(
             o_t = n + o_i
             m_t = o_t < T
             b_Dqk, b_Dkk = _diagonal_exact(q + (bos * H + i_h) * K, k + (bos * H + i_h) * K, gcum, o_t,
-                                           m_t, T, H, HV, K, BC, EXACT_PRECISION)
+                                           m_t, T, H, HV, K, BC, EXACT_PRECISION, L2NORM)
             p_qk = Aqk + (bos * HV + i_hv) * BT + o_t[:, None] * (HV * BT) + R * BC + o_i[None, :]
             tl.store(p_qk, (b_Dqk * scale).to(Aqk.dtype.element_ty), mask=m_t[:, None])
             tl.store(Dkk + (bos * HV + i_hv) * BC + o_t[:, None] * (HV * BC) + o_i[None, :], b_Dkk,
@@ -150,7 +177,7 @@ def diagonal_exact_kernel(
 def _row_block(q, k, gcum, beta, Aqk, Dkk, t0, R: tl.constexpr, T, scale,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                BTC: tl.constexpr, SHIFT: tl.constexpr, CHECK_SPAN: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr):
+               DOT_PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr, L2NORM: tl.constexpr):
     """Row block R of the chunk at t0 against its first BTC ≥ 16(R + 1) columns. Stores the block's
     Aqk rows (whole rows, zero past BTC, the diagonal block left to diagonal_exact_kernel where it
     did not fit); returns its Akk rows [BC, BTC] (β applied, zero on and above the diagonal),
@@ -165,10 +192,10 @@ def _row_block(q, k, gcum, beta, Aqk, Dkk, t0, R: tl.constexpr, T, scale,
     fits = _span_fits(gcum, n, T, HV, K, BC, SHIFT) if CHECK_SPAN else 1
     # Columns up to the block's diagonal block (before it where the diagonal is computed apart).
     m_c = (o_j < R * BC + BC * fits) & (t0 + o_j < T) & (n + 0 * o_j < T)
-    b_kct = tl.trans(_tile(k, t0 + o_j, m_c, o_k, H * K))                # [K, BTC]
+    b_kct = tl.trans(_qk_tile(k, t0 + o_j, m_c, K, H * K, L2NORM))       # [K, BTC]
     b_gc = _tile(gcum, t0 + o_j, m_c, o_k, HV * K)                       # [BTC, K]
-    b_q = _tile(q, o_t, m_t, o_k, H * K)                                 # [BC, K]
-    b_k = _tile(k, o_t, m_t, o_k, H * K)
+    b_q = _qk_tile(q, o_t, m_t, K, H * K, L2NORM)                        # [BC, K]
+    b_k = _qk_tile(k, o_t, m_t, K, H * K, L2NORM)
     b_g = _tile(gcum, o_t, m_t, o_k, HV * K)
     b_c = tl.load(gcum + n * (HV * K) + o_k, mask=n + 0 * o_k < T, other=0.0) - SHIFT * fits
     # Exponents are masked before exp2 (rows and columns past T load Γ = 0, where 2^(C − 0) could
@@ -249,9 +276,11 @@ def _solve_rows(Tm, t0, R: tl.constexpr, T, b_Arr, b_Y, b_beta, HV: tl.constexpr
 @triton.jit(do_not_specialize=["T"])
 def intra_chunk_kernel(
     q, k, gcum, beta, Aqk, Tm, Dkk,  # [B,T,H,K] ×2, [B,T,HV,K], [B,T,HV], [B,T,HV,BT] ×2, [B,T,HV,BC]
+    cu_seqlens, chunk_indices,        # packed sequences (kda_opt/seqs)
     T, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     SHIFT: tl.constexpr, CHECK_SPAN: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr,
+    PACKED: tl.constexpr, L2NORM: tl.constexpr,
 ):
     # FLA 0.6.0 computes these matrices in three kernels (diagonal blocks, off-diagonal blocks fused
     # with the solve, then the inverse's merges); here one program holds a chunk's Akk in registers,
@@ -260,7 +289,11 @@ def intra_chunk_kernel(
     i_bh, i_t = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
-    bos, t0 = i_b * T, i_t * BT
+    bos, T, i_t = chunk_span(i_b, i_t, T, cu_seqlens, chunk_indices, PACKED)
+    t0 = i_t * BT
+    if PACKED:
+        if t0 >= T:  # a spare slot
+            return
     q += (bos * H + i_h) * K
     k += (bos * H + i_h) * K
     gcum += (bos * HV + i_hv) * K
@@ -273,21 +306,21 @@ def intra_chunk_kernel(
     P: tl.constexpr = DOT_PRECISION
     # Rows past T have zero Akk rows: identity rows of the inverse, never stored, never reached.
     A0, f, D = _row_block(q, k, gcum, beta, Aqk, Dkk, t0, 0, T, scale, H, HV, K, BT, BC, BC, SHIFT,
-                          CHECK_SPAN, P, SPLIT_BF16)
+                          CHECK_SPAN, P, SPLIT_BF16, L2NORM)
     X0 = _solve_rows(Tm, t0, 0, T, _diagonal(A0, f, D, CHECK_SPAN), tl.zeros([BC, BT], dtype=tl.float32),
                      b_beta, HV, BT, BC, P)
     A1, f, D = _row_block(q, k, gcum, beta, Aqk, Dkk, t0, 1, T, scale, H, HV, K, BT, BC, 2 * BC, SHIFT,
-                          CHECK_SPAN, P, SPLIT_BF16)
+                          CHECK_SPAN, P, SPLIT_BF16, L2NORM)
     A10, A11 = _halves(A1)
     X1 = _solve_rows(Tm, t0, 1, T, _diagonal(A11, f, D, CHECK_SPAN), tl.dot(A10, X0, input_precision=P),
                      b_beta, HV, BT, BC, P)
     A2, f, D = _row_block(q, k, gcum, beta, Aqk, Dkk, t0, 2, T, scale, H, HV, K, BT, BC, BT, SHIFT,
-                          CHECK_SPAN, P, SPLIT_BF16)
+                          CHECK_SPAN, P, SPLIT_BF16, L2NORM)
     A20, A21, A22, _ = _quarters(A2)
     b_Y = tl.dot(A21, X1, tl.dot(A20, X0, input_precision=P), input_precision=P)
     X2 = _solve_rows(Tm, t0, 2, T, _diagonal(A22, f, D, CHECK_SPAN), b_Y, b_beta, HV, BT, BC, P)
     A3, f, D = _row_block(q, k, gcum, beta, Aqk, Dkk, t0, 3, T, scale, H, HV, K, BT, BC, BT, SHIFT,
-                          CHECK_SPAN, P, SPLIT_BF16)
+                          CHECK_SPAN, P, SPLIT_BF16, L2NORM)
     A30, A31, A32, A33 = _quarters(A3)
     b_Y = tl.dot(A32, X2, tl.dot(A31, X1, tl.dot(A30, X0, input_precision=P), input_precision=P),
                  input_precision=P)
@@ -295,27 +328,30 @@ def intra_chunk_kernel(
 
 
 def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64, *, gate_bounded: bool = False,
-                num_warps: int = NUM_WARPS):
+                seqs: Seqs | None = None, l2norm: bool = False, num_warps: int = NUM_WARPS):
     """Aqk [B, T, HV, C] (q's dtype) and Tm [B, T, HV, C] (k's dtype) of every chunk (C = 64).
     gate_bounded: every log-decay a ≥ −5 (log2 units: Γ falls at most 5/ln 2 per token), so no
-    diagonal block needs the exact path. num_warps is a tuning knob (scripts/bench_stages.py)."""
+    diagonal block needs the exact path. seqs: the sequence layout (kda_opt/seqs; None is B sequences
+    of T tokens). l2norm: q and k rows L2-normalised as they are read. num_warps is a tuning knob
+    (scripts/bench_stages.py)."""
     B, T, H, K = q.shape
     HV = gcum.shape[2]
     if chunk_size != 4 * BC:
         raise ValueError(f"intra_chunk computes chunks of {4 * BC}, got chunk_size={chunk_size}")
+    seqs = seqs or fixed(B, T, chunk_size)
     Aqk = torch.empty(B, T, HV, chunk_size, dtype=q.dtype, device=q.device)
     Tm = torch.empty(B, T, HV, chunk_size, dtype=k.dtype, device=q.device)
-    NT = triton.cdiv(T, chunk_size)
+    layout = dict(H=H, HV=HV, K=K, BT=chunk_size, BC=BC, SHIFT=SHIFT, PACKED=seqs.packed, L2NORM=l2norm)
     Dkk = Aqk  # read only where a diagonal block did not fit: never, for a bounded gate
     if not gate_bounded:
         Dkk = torch.empty(B, T, HV, BC, dtype=torch.float32, device=q.device)
         # An exact diagonal block keeps fp32 accuracy (three tf32 passes; FLA: plain fp32).
-        diagonal_exact_kernel[(B * HV * (chunk_size // BC), NT)](
-            q, k, gcum, Aqk, Dkk, T, scale, H=H, HV=HV, K=K, BT=chunk_size, BC=BC, SHIFT=SHIFT,
+        diagonal_exact_kernel[(B * HV * (chunk_size // BC), seqs.chunk_slots)](
+            q, k, gcum, Aqk, Dkk, *seqs.pointers(Aqk), T, scale, **layout,
             EXACT_PRECISION="tf32x3", num_warps=EXACT_NUM_WARPS)
-    intra_chunk_kernel[(B * HV, NT)](
-        q, k, gcum, beta, Aqk, Tm, Dkk, T, scale,
-        H=H, HV=HV, K=K, BT=chunk_size, BC=BC, SHIFT=SHIFT, CHECK_SPAN=not gate_bounded,
+    intra_chunk_kernel[(B * HV, seqs.chunk_slots)](
+        q, k, gcum, beta, Aqk, Tm, Dkk, *seqs.pointers(Aqk), T, scale, **layout,
+        CHECK_SPAN=not gate_bounded,
         # Precision (module docstring). The interpreter ignores DOT_PRECISION and multiplies in fp32.
         DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", SPLIT_BF16=q.dtype == torch.bfloat16,
         num_warps=num_warps,

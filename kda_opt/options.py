@@ -1,6 +1,9 @@
 """Options that travel through the pipeline as one frozen value instead of loose arguments."""
 from dataclasses import dataclass
 
+# FLA's l2norm (use_qk_l2norm_in_kernel): x / sqrt(Σ x² + L2NORM_EPS) per head and token.
+L2NORM_EPS = 1e-6
+
 
 @dataclass(frozen=True)
 class GateConfig:

@@ -12,6 +12,8 @@ GVA: value head hv reads q/k head hv // (HV / H). Every function returns float64
 import torch
 import torch.nn.functional as F
 
+from .options import L2NORM_EPS
+
 
 def rel_err(out, ref) -> float:
     """‖out − ref‖ / ‖ref‖ in float64 (SPEC §5's error measure); non-finite output gives inf."""
@@ -154,13 +156,36 @@ def chunked_kda(q, k, v, a, beta, scale=None, initial_state=None, chunk_size=64)
     return state_pass(q, k, W, U, Aqk, gamma, scale, initial_state, chunk_size)
 
 
+def l2norm(x, eps=L2NORM_EPS):
+    """x / sqrt(Σ x² + eps) over the last axis (FLA's l2norm), in float64."""
+    x = x.double()
+    return x / (x * x).sum(-1, keepdim=True).add(eps).sqrt()
+
+
 def reference_forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                      use_gate_in_kernel=False, A_log=None, dt_bias=None, safe_gate=False,
-                      lower_bound=None, chunk_size=64, method="recurrent"):
+                      use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                      safe_gate=False, lower_bound=None, cu_seqlens=None, cu_seqlens_cpu=None, chunk_size=64,
+                      method="recurrent"):
     """kda_forward's arguments → float64 (o, final state or None). method="chunked" evaluates the
     chunked form instead of the token loop: equal to 1e-10 (tests/test_reference.py), far quicker
-    for long T on a GPU, but it holds a [B, HV, T, 64, K] tensor."""
+    for long T on a GPU, but it holds a [B, HV, T, 64, K] tensor. With cu_seqlens, each packed
+    sequence is evaluated on its own, from its own initial state."""
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
     a = activate_gate(g, A_log, dt_bias, lower_bound) if use_gate_in_kernel else g.double()
     evaluate = {"recurrent": recurrent_kda, "chunked": chunked_kda}[method]
-    o, S = evaluate(q, k, v, a, beta, scale, initial_state)
-    return o, (S if output_final_state else None)
+    if cu_seqlens is None:
+        o, S = evaluate(q, k, v, a, beta, scale, initial_state)
+        return o, (S if output_final_state else None)
+    bounds = cu_seqlens.tolist()
+    outs, states = [], []
+    for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
+        S0 = None if initial_state is None else initial_state[n:n + 1]
+        if eos == bos:  # an empty sequence passes its state through
+            HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+            states.append(S0.double() if S0 is not None else v.new_zeros(1, HV, K, V, dtype=torch.float64))
+            continue
+        o, S = evaluate(*(x[:, bos:eos] for x in (q, k, v, a, beta)), scale, S0)
+        outs.append(o)
+        states.append(S)
+    return torch.cat(outs, dim=1), (torch.cat(states) if output_final_state else None)

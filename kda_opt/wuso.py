@@ -3,9 +3,11 @@
 Per (batch b, value head hv, block of BV value columns), chunk after chunk, carrying S [K, BV] fp32:
     V' = U − W S = Tm (v − (2^Γ ⊙ k) S)          (W = Tm (2^Γ ⊙ k), U = Tm v)
     O  = scale·(q ⊙ 2^Γ) S + Aqk V',   S ← Diag(2^Γ_last) S + (k ⊙ 2^(Γ_last − Γ))ᵀ V'
-Γ in log2 units; Γ_last is Γ at the chunk's last valid row. In: q, k [B, T, H, K] bf16/fp16/fp32;
-v [B, T, HV, V]; Γ [B, T, HV, K] fp32; Tm [B, T, HV, 64] (k's dtype); Aqk [B, T, HV, 64] (q's dtype,
-scale included); S0 [B, HV, K, V] fp32 or none. Out: o [B, T, HV, V] in v's dtype; S [B, HV, K, V] fp32.
+Γ in log2 units; Γ_last is Γ at the chunk's last valid row. In: q, k [B, T, H, K] bf16/fp16/fp32 (rows
+L2-normalised here if asked); v [B, T, HV, V]; Γ [B, T, HV, K] fp32; Tm [B, T, HV, 64] (k's dtype);
+Aqk [B, T, HV, 64] (q's dtype, scale included); S0 [N, HV, K, V] fp32 or none. Out: o [B, T, HV, V] in
+v's dtype; S [N, HV, K, V] fp32. N sequences: the B entries, or with cu_seqlens [N + 1] the packed
+sequences of the one entry (B = 1), each read through a view of its own rows (kda_opt/seqs).
 Products take 16-bit operands (fp32 inputs: fp32) with fp32 accumulation. For bf16 inputs O's Aqk V'
 takes V' as hi + lo, which pays for stage 2's bf16 products (kda_opt/intra): o's error against
 float64, emulated, is 3.3e-3 with them and one rounded V', 2.9e-3 with the split, as with tf32.
@@ -14,6 +16,8 @@ import functools
 
 import cuda.tile as ct
 import torch
+
+from .options import L2NORM_EPS
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -34,16 +38,36 @@ WORKER_WARPS = 8
 # (fla/ops/kda/wy_fast.py), chunk_gated_delta_rule_fwd_h (fla/ops/common/chunk_delta_h.py) and
 # chunk_gla_fwd_o_gk (fla/ops/gla/chunk.py); S never leaves the chip and W, U never exist.
 @ct.kernel(num_worker_warps=WORKER_WARPS)
-def wuso_kernel(Q, Kx, Vx, G, TM, AQK, S0, O, SF, scale: float,
+def wuso_kernel(Q, Kx, Vx, G, TM, AQK, S0, O, SF, CU, scale: float,
                 K: ConstInt, BV: ConstInt, C: ConstInt, HAS_S0: ConstBool, STORE_SF: ConstBool,
-                SPLIT_V: ConstBool):
-    i_v, i_bh = ct.bid(0), ct.bid(1)
-    T, H, HV = Q.shape[1], Q.shape[2], Vx.shape[2]
-    i_b, i_hv = i_bh // HV, i_bh % HV
+                SPLIT_V: ConstBool, PACKED: ConstBool, L2NORM: ConstBool):
+    i_v, i_nh = ct.bid(0), ct.bid(1)
+    H, HV = Q.shape[2], Vx.shape[2]
+    i_n, i_hv = i_nh // HV, i_nh % HV                         # sequence, value head
     i_h = i_hv // (HV // H)                                   # GVA: HV / H value heads per q/k head
+    i_b = i_n
+    if PACKED:
+        # Sequence i_n is rows cu[i_n] .. cu[i_n + 1] − 1 of the one batch entry: every [1, T, ...]
+        # array is viewed through those rows, so that chunks start at the sequence's first token and
+        # the zero padding of a tail chunk stops at its end. Clamped as in kda_opt/seqs: a cu_seqlens
+        # that breaks its contract gives wrong numbers, never an access out of bounds.
+        T_all = Q.shape[1]
+        bos = min(max(ct.load(CU, index=(i_n,), shape=(1,)).astype(ct.int32).item(), 0), T_all)
+        eos = min(max(ct.load(CU, index=(i_n + 1,), shape=(1,)).astype(ct.int32).item(), bos), T_all)
+        start = min(bos, T_all - 1)                           # a view must start inside the array
+        stop = start + eos - bos
+        Q = Q.slice(axis=1, start=start, stop=stop)
+        Kx = Kx.slice(axis=1, start=start, stop=stop)
+        Vx = Vx.slice(axis=1, start=start, stop=stop)
+        G = G.slice(axis=1, start=start, stop=stop)
+        TM = TM.slice(axis=1, start=start, stop=stop)
+        AQK = AQK.slice(axis=1, start=start, stop=stop)
+        O = O.slice(axis=1, start=start, stop=stop)
+        i_b = 0
+    T = Q.shape[1]
     dt = Q.dtype                                              # mma operand dtype; fp32 stays fp32
     if HAS_S0:
-        S = ct.load(S0, index=(i_b, i_hv, 0, i_v), shape=(1, 1, K, BV)).reshape((K, BV))
+        S = ct.load(S0, index=(i_n, i_hv, 0, i_v), shape=(1, 1, K, BV)).reshape((K, BV))
     else:
         S = ct.zeros((K, BV), dtype=F32)
     for i_t in range(ct.cdiv(T, C)):
@@ -58,6 +82,11 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, S0, O, SF, scale: float,
         last = min(i_t * C + C, T) - 1
         g_last = ct.load(G, index=(i_b, last, i_hv, 0), shape=(1, 1, 1, K)).reshape((1, K))
         kf = k.astype(F32)
+        qf = q.astype(F32)
+        if L2NORM:
+            # FLA's l2norm per row (use_qk_l2norm_in_kernel), on the fp32 rows: no pass of its own.
+            kf = kf * ct.rsqrt(ct.sum(kf * kf, axis=1, keepdims=True) + L2NORM_EPS)
+            qf = qf * ct.rsqrt(ct.sum(qf * qf, axis=1, keepdims=True) + L2NORM_EPS)
         # ftz: gates drive 2^Γ into subnormals, which are worth nothing next to the state.
         eg = ct.exp2(g, flush_to_zero=True)                                          # [C, K]
         s_op = S.astype(dt)                                                          # [K, BV]
@@ -67,7 +96,7 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, S0, O, SF, scale: float,
         x = ct.mma((kf * -eg).astype(dt), s_op, v.astype(F32))                     # v − (2^Γ ⊙ k) S
         v_f32 = ct.mma(tm.astype(dt), x.astype(dt), ct.zeros((C, BV), dtype=F32))   # V' [C, BV]
         v_new = v_f32.astype(dt)
-        o = ct.mma((q.astype(F32) * eg * scale).astype(dt), s_op, ct.zeros((C, BV), dtype=F32))
+        o = ct.mma((qf * eg * scale).astype(dt), s_op, ct.zeros((C, BV), dtype=F32))
         if SPLIT_V:
             # O takes V' as hi + lo (one more product, off the state's chain): V' rounded to
             # bf16 then reaches O only through S.
@@ -81,13 +110,13 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, S0, O, SF, scale: float,
         k_dec_t = ct.transpose(kf) * ct.exp2(g_last_t - ct.transpose(g), flush_to_zero=True)  # [K, C]
         S = ct.mma(k_dec_t.astype(dt), v_new, S * ct.exp2(g_last_t, flush_to_zero=True))     # [K, BV]
     if STORE_SF:
-        ct.store(SF, index=(i_b, i_hv, 0, i_v), tile=S.reshape((1, 1, K, BV)))
+        ct.store(SF, index=(i_n, i_hv, 0, i_v), tile=S.reshape((1, 1, K, BV)))
 
 
 def block_v_for(programs: int, V: int, sms: int, dtype: torch.dtype) -> int:
-    """BV for `programs` = B·HV (batch, value head) pairs: the narrowest block whose grid still fits
-    one wave of one CTA per SM (narrower blocks shorten each CTA's products), else the widest (the
-    exp2 work of the chunk, repeated per V block, then dominates)."""
+    """BV for `programs` = N·HV (sequence, value head) pairs: the narrowest block whose grid still
+    fits one wave of one CTA per SM (narrower blocks shorten each CTA's products), else the widest
+    (the exp2 work of the chunk, repeated per V block, then dominates)."""
     fits = [bv for bv in BLOCK_V_CHOICES if bv <= V and V % bv == 0]
     if dtype == torch.float32:
         # fp32 products run on CUDA cores (no fp32 wgmma) and already spill at the narrowest block.
@@ -96,34 +125,40 @@ def block_v_for(programs: int, V: int, sms: int, dtype: torch.dtype) -> int:
 
 
 @functools.cache
-def _absent(device: torch.device) -> torch.Tensor:
-    """Stands in for a missing S0 / final state: HAS_S0 / STORE_SF compile its access away."""
-    return torch.empty(1, 1, 1, 1, dtype=torch.float32, device=device)
+def _absent(device: torch.device, ndim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Stands in for a missing S0, final state or cu_seqlens: HAS_S0 / STORE_SF / PACKED compile its
+    access away."""
+    return torch.empty((1,) * ndim, dtype=dtype, device=device)
 
 
-def launch_config(q, k, v, gcum, Tm, Aqk, scale, initial_state, o, final_state, block_v, chunk_size=64):
+def launch_config(q, k, v, gcum, Tm, Aqk, scale, initial_state, o, final_state, block_v, chunk_size=64,
+                  cu_seqlens=None, l2norm=False):
     """(grid, kernel arguments) of one launch: the one place both the launcher and the export test
     (tests/test_wuso.py, on meta tensors) take the kernel's specialisation from."""
     B, _, HV, V = v.shape
-    absent = _absent(v.device)
-    args = (q, k, v, gcum, Tm, Aqk, absent if initial_state is None else initial_state, o,
-            absent if final_state is None else final_state, float(scale),
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    state = lambda x: _absent(v.device, 4, torch.float32) if x is None else x
+    args = (q, k, v, gcum, Tm, Aqk, state(initial_state), o, state(final_state),
+            _absent(v.device, 1, torch.int32) if cu_seqlens is None else cu_seqlens, float(scale),
             q.shape[-1], block_v, chunk_size, initial_state is not None, final_state is not None,
-            q.dtype == torch.bfloat16)
-    return (V // block_v, B * HV, 1), args
+            q.dtype == torch.bfloat16, cu_seqlens is not None, l2norm)
+    return (V // block_v, N * HV, 1), args
 
 
 def wuso(q, k, v, gcum, Tm, Aqk, scale: float, initial_state=None, output_final_state=False,
-         chunk_size: int = 64, block_v: int | None = None):
-    """Stage 4 on the current stream: o [B, T, HV, V] (v's dtype) and the final state [B, HV, K, V]
+         chunk_size: int = 64, block_v: int | None = None, cu_seqlens=None, l2norm: bool = False):
+    """Stage 4 on the current stream: o [B, T, HV, V] (v's dtype) and the final state [N, HV, K, V]
     fp32, or None unless output_final_state. Inputs as in the module docstring, contiguous (kda_forward
-    validates them). block_v: V columns per program; None picks it with block_v_for."""
+    validates them); cu_seqlens [N + 1] packs N sequences into the one batch entry. block_v: V columns
+    per program; None picks it with block_v_for. l2norm: q and k rows L2-normalised as they are read."""
     B, _, HV, V = v.shape
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     o = torch.empty_like(v)
-    final = v.new_empty((B, HV, q.shape[-1], V), dtype=torch.float32) if output_final_state else None
+    final = v.new_empty((N, HV, q.shape[-1], V), dtype=torch.float32) if output_final_state else None
     if block_v is None:
         sms = torch.cuda.get_device_properties(v.device).multi_processor_count
-        block_v = block_v_for(B * HV, V, sms, q.dtype)
-    grid, args = launch_config(q, k, v, gcum, Tm, Aqk, scale, initial_state, o, final, block_v, chunk_size)
+        block_v = block_v_for(N * HV, V, sms, q.dtype)
+    grid, args = launch_config(q, k, v, gcum, Tm, Aqk, scale, initial_state, o, final, block_v, chunk_size,
+                               cu_seqlens, l2norm)
     ct.launch(torch.cuda.current_stream(), grid, wuso_kernel, args)
     return o, final

@@ -20,6 +20,7 @@ from kda_opt.bench import case_from_args, measure_ceilings, parse_args as bench_
 from kda_opt.gate import gate_cumsum  # noqa: E402
 from kda_opt.intra import intra_chunk  # noqa: E402
 from kda_opt.options import GateConfig  # noqa: E402
+from kda_opt.seqs import fixed, packed  # noqa: E402
 
 
 def nbytes(*xs):
@@ -43,13 +44,18 @@ def main():
     gate = GateConfig(a.get("use_gate_in_kernel", False), a.get("lower_bound"), a.get("safe_gate", False))
     scale = c.K ** -0.5
     bw, _ = measure_ceilings()
+    cu_seqlens, l2norm = a.get("cu_seqlens"), c.l2norm
+    seqs = fixed(c.B, c.T, 64) if cu_seqlens is None else packed(cu_seqlens, c.T, 64)
 
-    gcum = gate_cumsum(g, gate, a.get("A_log"), a.get("dt_bias"))
-    Aqk, Tm = intra_chunk(q, k, gcum, beta, scale, gate_bounded=gate.bounded)
+    gcum = gate_cumsum(g, gate, a.get("A_log"), a.get("dt_bias"), seqs=seqs)
+    intra = dict(gate_bounded=gate.bounded, seqs=seqs, l2norm=l2norm)
+    Aqk, Tm = intra_chunk(q, k, gcum, beta, scale, **intra)
     o = torch.empty_like(v)
-    rows = [("gate", lambda: gate_cumsum(g, gate, a.get("A_log"), a.get("dt_bias")), nbytes(g, gcum))]
+    rows = [("gate", lambda: gate_cumsum(g, gate, a.get("A_log"), a.get("dt_bias"), seqs=seqs), nbytes(g, gcum))]
+    if cu_seqlens is not None:
+        rows.insert(0, ("seqs (chunk table)", lambda: packed(cu_seqlens, c.T, 64), 0))
     rows += [(f"intra warps={w or 'default'}",
-              lambda w=w: intra_chunk(q, k, gcum, beta, scale, gate_bounded=gate.bounded, **({"num_warps": w} if w else {})),
+              lambda w=w: intra_chunk(q, k, gcum, beta, scale, **intra, **({"num_warps": w} if w else {})),
               nbytes(q, k, gcum, beta, Aqk, Tm)) for w in own.intra_warps]
     base_kernel = stage4.wuso_kernel
     for bv in own.block_v:
@@ -60,7 +66,8 @@ def main():
             def run(kernel=kernel, bv=bv):
                 stage4.wuso_kernel = kernel
                 try:
-                    return stage4.wuso(q, k, v, gcum, Tm, Aqk, scale, None, True, block_v=bv)
+                    return stage4.wuso(q, k, v, gcum, Tm, Aqk, scale, None, True, block_v=bv,
+                                       cu_seqlens=cu_seqlens, l2norm=l2norm)
                 finally:
                     stage4.wuso_kernel = base_kernel
             rows.append((label, run, nbytes(q, k, v, gcum, Tm, Aqk, o)))

@@ -16,7 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 # Kernel-name fragments → stage, first match wins. Ours carry their stage in the name; FLA's
 # 0.6.0 forward: gate+cumsum, intra (Aqk, Akk, solve inside), W/U recompute, state pass, output.
 STAGES = {
-    "kda_opt": [("gate_cumsum", "gate"), ("intra", "intra + solve"), ("wuso", "wuso")],
+    "kda_opt": [("chunk_offsets", "seqs"), ("chunk_indices", "seqs"), ("gate_cumsum", "gate"),
+                ("intra", "intra + solve"), ("diagonal_exact", "intra + solve"), ("wuso", "wuso")],
     "fla": [("delta_rule_fwd_kernel_h", "state pass"), ("fwd_kernel_o", "output"), ("recompute_w_u", "W/U"),
             ("inter_solve", "inter + solve"), ("solve_tril", "inter + solve"), ("intra", "intra"),
             ("kda_gate", "gate + cumsum"), ("cumsum", "gate + cumsum")],
@@ -31,7 +32,7 @@ def shape_args(argv):
     p.add_argument("--no-fla", action="store_true")
     own, rest = p.parse_known_args(argv)
     c = case_from_args(parse_args(rest))
-    return own, f"{gpu_tag()}_b{c.B}_t{c.T}_h{c.H}_k{c.K}_{c.gate}", c
+    return own, f"{gpu_tag()}_{c.tag}", c
 
 
 def stage_of(system, name):

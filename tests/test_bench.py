@@ -1,5 +1,6 @@
 """The benchmark CLI's parsing, defaults, floors, CSV output and refusals (CPU)."""
 import csv
+import itertools
 
 import pytest
 import torch
@@ -99,3 +100,51 @@ def test_sweep_rows_merge(tmp_path):
     merged = bench.merge_rows(old, [dict(row, kda_opt_ms=0.25), dict(row, mode="softplus")])
     assert [(r["T"], r["mode"], r["kda_opt_ms"]) for r in merged] == [
         (2048, "safe", 0.25), (4096, "safe", 0.5), (2048, "softplus", 0.5)]
+
+
+def test_varlen_options():
+    c = bench.case_from_args(bench.parse_args(["--varlen", "--num-seqs", "5", "--seq-len", "300", "--num-heads", "4"]))
+    assert c.B == 1 and len(c.seqlens) == 5 and all(64 <= n <= 300 for n in c.seqlens) and c.T == sum(c.seqlens)
+    assert c == bench.case_from_args(bench.parse_args(["--varlen", "--num-seqs", "5", "--seq-len", "300",
+                                                        "--num-heads", "4"]))  # seeded: the same lengths
+    args = c.inputs(device="cpu", initial_state=True)
+    assert args["cu_seqlens_cpu"].tolist() == [0, *itertools.accumulate(c.seqlens)]
+    assert args["initial_state"].shape[0] == 5
+    explicit = bench.case_from_args(bench.parse_args(["--seq-lens", "1300,547,2048", "--l2norm"]))
+    assert explicit.seqlens == (1300, 547, 2048) and explicit.T == 3895 and explicit.l2norm
+    assert explicit.tag == "b1_t3895_h96_k128_safe_varlen3_l2norm"
+
+
+@pytest.mark.parametrize("bad", [["--varlen", "--batch-size", "2"], ["--seq-lens", "5,0"], ["--varlen", "--seq-len", "10"]])
+def test_bad_varlen_options_exit_2(bad):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(bad)
+    assert e.value.code == 2
+
+
+def test_trimmed_case_keeps_whole_sequences_first():
+    c = bench.case_from_args(bench.parse_args(["--seq-lens", "1300,547,2048"]))
+    assert c.trimmed(1500).seqlens == (1300, 200) and c.trimmed(1847).seqlens == (1300, 547)
+    assert c.trimmed(100).seqlens == (100,) and c.trimmed(5000) == c
+
+
+def test_sweep_has_the_serving_rows():
+    cases = bench.sweep_cases(bench.parse_args(["--sweep-gates", "safe"]))
+    assert len(cases) == len(bench.SWEEP_SHAPES) + 2
+    varlen, l2norm = cases[-2:]
+    assert (varlen.H, len(varlen.seqlens), max(varlen.seqlens) <= 8192, varlen.l2norm) == (32, 64, True, False)
+    assert (l2norm.B, l2norm.T, l2norm.H, l2norm.seqlens, l2norm.l2norm) == (1, 8192, 96, None, True)
+    assert not any(c.seqlens or c.l2norm for c in cases[:-2])
+
+
+def test_rows_of_an_older_csv_merge_with_serving_rows(tmp_path):
+    """A CSV written before the varlen/l2norm columns: its rows are fixed-length, no l2norm."""
+    path = tmp_path / "old.csv"
+    path.write_text("B,T,H,K,V,mode,fla_ms,kda_opt_ms,speedup,tbps,tflops,bytes_floor_pct,flops_floor_pct\n"
+                    "1,8192,96,128,128,safe,2.9,1.43,2.03,0.71,99,24,14\n")
+    new = dict(B=1, T=8192, H=96, K=128, V=128, mode="safe", varlen=0, l2norm=1, fla_ms=3.0, kda_opt_ms=1.5,
+               speedup=2.0, tbps=0.7, tflops=90.0, bytes_floor_pct=23.0, flops_floor_pct=13.0)
+    merged = bench.merge_rows(bench.read_csv(path), [new])
+    assert [(r["l2norm"], r["kda_opt_ms"]) for r in merged] == [(0, 1.43), (1, 1.5)]
+    bench.write_csv(merged, path)
+    assert [r["l2norm"] for r in csv.DictReader(open(path))] == ["0", "1"]

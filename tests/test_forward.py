@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from kda_opt import kda_forward
+from kda_opt import kda_forward, reference
 from kda_opt.inputs import GATE_MODES, random_inputs
 from kda_opt.reference import reference_forward
 from tests.conftest import HAS_CUDA, gpu, rel_err
@@ -53,6 +53,24 @@ BAD_INPUTS = {
     "A_log wrong size": (ValueError, "A_log", dict(A_log=torch.randn(3))),
     "dt_bias wrong size": (ValueError, "dt_bias", dict(dt_bias=torch.randn(64))),
     "A_log without gate in kernel": (ValueError, "A_log", dict(use_gate_in_kernel=False)),
+    "head dim 256": (ValueError, "256", dict(q=torch.randn(1, 8, 2, 256), k=torch.randn(1, 8, 2, 256),
+                                             g=torch.randn(1, 8, 2, 256), dt_bias=torch.randn(2 * 256))),
+    "cu_seqlens float": (TypeError, "cu_seqlens", dict(cu_seqlens=torch.tensor([0.0, 8.0]))),
+    "cu_seqlens not a tensor": (TypeError, "cu_seqlens", dict(cu_seqlens=[0, 8])),
+    "cu_seqlens 2-D": (ValueError, "cu_seqlens", dict(cu_seqlens=torch.tensor([[0, 8]]))),
+    "cu_seqlens one entry": (ValueError, "cu_seqlens", dict(cu_seqlens=torch.tensor([0]))),
+    "cu_seqlens with B > 1": (ValueError, "batch size must be 1", dict(
+        cu_seqlens=torch.tensor([0, 8]), **{n: torch.cat([x, x]) for n, x in cpu_args().items()
+                                             if n in ("q", "k", "v", "g", "beta")})),
+    "initial_state for B, not N": (ValueError, "initial_state", dict(
+        cu_seqlens=torch.tensor([0, 3, 8]), initial_state=torch.zeros(1, 2, 64, 64))),
+    "cu_seqlens_cpu alone": (ValueError, "cu_seqlens_cpu", dict(cu_seqlens_cpu=torch.tensor([0, 8]))),
+    "cu_seqlens_cpu falls": (ValueError, "cu_seqlens_cpu", dict(
+        cu_seqlens=torch.tensor([0, 5, 3, 8]), cu_seqlens_cpu=torch.tensor([0, 5, 3, 8]))),
+    "cu_seqlens_cpu short of T": (ValueError, "cu_seqlens_cpu", dict(
+        cu_seqlens=torch.tensor([0, 5, 7]), cu_seqlens_cpu=torch.tensor([0, 5, 7]))),
+    "cu_seqlens_cpu other length": (ValueError, "cu_seqlens_cpu", dict(
+        cu_seqlens=torch.tensor([0, 5, 8]), cu_seqlens_cpu=torch.tensor([0, 8]))),
     "CPU tensors": (ValueError, "CUDA", dict()),
 }
 
@@ -64,11 +82,20 @@ def test_bad_input_raises(case):
         kda_forward(**cpu_args(**over))
 
 
+def test_options_after_output_final_state_are_keyword_only():
+    """FLA's positional order differs past output_final_state: a positional call must not be taken
+    for another option."""
+    a = cpu_args()
+    with pytest.raises(TypeError):
+        kda_forward(a["q"], a["k"], a["v"], a["g"], a["beta"], None, None, True, True)
+
+
 @gpu
-def test_device_mismatch_raises():
-    args = random_inputs(1, 8, 2, 64)
-    args["beta"] = args["beta"].cpu()
-    with pytest.raises(ValueError, match="beta"):
+@pytest.mark.parametrize("name", ["beta", "cu_seqlens"])
+def test_device_mismatch_raises(name):
+    args = random_inputs(1, 8, 2, 64, seqlens=[3, 5])
+    args[name] = args[name].cpu()
+    with pytest.raises(ValueError, match=name):
         kda_forward(**args)
 
 
@@ -127,3 +154,146 @@ def test_no_final_state_and_default_scale():
     assert torch.equal(o, o2)
     o3, _ = kda_forward(**args, scale=0.5)
     assert rel_err(o3, reference_forward(**args, scale=0.5)[0]) <= 5e-3
+
+
+# ---- GPU: serving features (packed sequences, continuation, l2norm, GVA, K ≠ V) ----
+
+def pack(args, lens):
+    """args' per-token tensors cut into sequences of `lens` (B = 1) — the arguments of each one run
+    alone, its initial state the matching row of args' initial_state."""
+    bounds = torch.tensor([0, *lens]).cumsum(0).tolist()
+    per_token = ("q", "k", "v", "g", "beta")
+    skip = ("cu_seqlens", "cu_seqlens_cpu", "initial_state")
+    for n, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        one = {name: (x[:, a:b] if name in per_token else x) for name, x in args.items() if name not in skip}
+        if "initial_state" in args:
+            one["initial_state"] = args["initial_state"][n:n + 1]
+        yield a, b, one
+
+
+PACKED_LENS = [[1, 63, 64, 65, 333, 7], [1000], [130, 1, 64, 4000]]
+
+
+@gpu
+@pytest.mark.parametrize("lens", PACKED_LENS)
+@pytest.mark.parametrize("gate", list(GATE_MODES))
+@pytest.mark.parametrize("H,HV", [(4, 4), (2, 4)])
+def test_forward_packed(lens, gate, H, HV):
+    """cu_seqlens: against the float64 recurrence sequence by sequence (SPEC §5's bound), and against
+    each sequence run alone through kda_forward (the same chunks: rounding apart, the same numbers)."""
+    args = random_inputs(1, sum(lens), H, 128, HV=HV, gate=gate, seqlens=lens, initial_state=True,
+                         seed=len(lens) + HV)
+    o, s = kda_forward(**args)
+    ref_o, ref_s = reference_forward(**args, method="chunked")
+    fla = lambda: fla_chunk_kda()(**args)
+    err_o, bound_o = bound(lambda: rel_err(o, ref_o), lambda: rel_err(fla()[0], ref_o))
+    err_s, bound_s = bound(lambda: rel_err(s, ref_s), lambda: rel_err(fla()[1], ref_s))
+    assert err_o <= max(bound_o, 5e-3) and err_s <= max(bound_s, 5e-3), (err_o, err_s)
+    for n, (a, b, one) in enumerate(pack(args, lens)):
+        o1, s1 = kda_forward(**one)
+        assert rel_err(o[:, a:b], o1) < 2e-3 and rel_err(s[n:n + 1], s1) < 1e-4, n
+
+
+@gpu
+def test_forward_packed_many_sequences_and_empty_ones():
+    """Thousands of sequences, some empty (their final state is their initial state)."""
+    gen = torch.Generator().manual_seed(0)
+    lens = torch.randint(0, 20, (3000,), generator=gen).tolist()
+    lens[:3] = [0, 300, 0]
+    args = random_inputs(1, sum(lens), 2, 64, seqlens=lens, initial_state=True, seed=1)
+    o, s = kda_forward(**args)
+    ref_o, ref_s = reference_forward(**args)
+    assert rel_err(o, ref_o) <= 5e-3 and rel_err(s, ref_s) <= 5e-3
+    assert torch.equal(s[0], args["initial_state"][0]) and torch.equal(s[2], args["initial_state"][2])
+
+
+@gpu
+@pytest.mark.parametrize("gate", ["safe", "softplus"])
+def test_forward_packed_matches_fla_and_is_as_accurate(gate):
+    lens = [1, 63, 64, 65, 333, 474]
+    args = random_inputs(1, sum(lens), 4, 128, gate=gate, seqlens=lens, initial_state=True, seed=2)
+    ref_o, ref_s = reference_forward(**args, method="chunked")
+    o, s = kda_forward(**args)
+    o_fla, s_fla = fla_chunk_kda()(**args)
+    assert rel_err(o, o_fla) < 1e-2 and rel_err(s, s_fla) < 1e-2
+    assert rel_err(o, ref_o) <= rel_err(o_fla, ref_o) and rel_err(s, ref_s) <= rel_err(s_fla, ref_s)
+
+
+def cut(args, t):
+    """args split at token t: (first part, second part without its initial state)."""
+    per_token = ("q", "k", "v", "g", "beta")
+    first = {n: (x[:, :t] if n in per_token else x) for n, x in args.items()}
+    second = {n: (x[:, t:] if n in per_token else x) for n, x in args.items() if n != "initial_state"}
+    return first, second
+
+
+@gpu
+@pytest.mark.parametrize("t", [1, 63, 64, 65, 333, 517, 999])
+@pytest.mark.parametrize("gate", ["safe", "softplus"])
+def test_forward_continuation(t, gate):
+    """Chunked prefill: a sequence cut at token t, the first part's final state starting the second,
+    gives the whole run's output and final state, within the engine's error bound."""
+    args = random_inputs(2, 1000, 4, 128, gate=gate, initial_state=True, seed=t)
+    ref_o, ref_s = reference_forward(**args, method="chunked")
+    o, s = kda_forward(**args)
+    first, second = cut(args, t)
+    o1, s1 = kda_forward(**first)
+    o2, s2 = kda_forward(**second, initial_state=s1)
+    o12 = torch.cat([o1, o2], dim=1)
+    assert rel_err(o12, ref_o) <= 5e-3 and rel_err(s2, ref_s) <= 5e-3
+    assert rel_err(o12, o) < 5e-3 and rel_err(s2, s) < 5e-3
+
+
+@gpu
+def test_forward_continuation_packed():
+    """The same through cu_seqlens: every sequence's first part packed in one call, the second parts
+    in another, started from the first call's final states."""
+    lens, cuts = [1000, 130, 65, 700], [333, 64, 1, 699]
+    args = random_inputs(1, sum(lens), 2, 128, HV=4, seqlens=lens, initial_state=True, seed=4)
+    o, s = kda_forward(**args)
+    ref_o, ref_s = reference_forward(**args, method="chunked")
+    parts = [cut(one, c) for (_, _, one), c in zip(pack(args, lens), cuts)]
+    lens1, lens2 = cuts, [n - c for n, c in zip(lens, cuts)]
+
+    def packed_call(ones, lens_, h0):
+        cu = torch.tensor([0, *lens_]).cumsum(0).to(torch.int32)
+        joined = {n: (torch.cat([x[n] for x in ones], dim=1) if n in ("q", "k", "v", "g", "beta") else x)
+                  for n, x in ones[0].items() if n != "initial_state"}
+        return kda_forward(**joined, initial_state=h0, cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
+
+    o1, s1 = packed_call([p[0] for p in parts], lens1, args["initial_state"])
+    o2, s2 = packed_call([p[1] for p in parts], lens2, s1)
+    bounds1 = torch.tensor([0, *lens1]).cumsum(0).tolist()
+    bounds2 = torch.tensor([0, *lens2]).cumsum(0).tolist()
+    o12 = torch.cat([torch.cat([o1[:, bounds1[n]:bounds1[n + 1]], o2[:, bounds2[n]:bounds2[n + 1]]], dim=1)
+                     for n in range(len(lens))], dim=1)
+    assert rel_err(o12, ref_o) <= 5e-3 and rel_err(s2, ref_s) <= 5e-3
+    assert rel_err(o12, o) < 5e-3 and rel_err(s2, s) < 5e-3
+
+
+@gpu
+@pytest.mark.parametrize("gate", ["safe", "softplus"])
+@pytest.mark.parametrize("seqlens", [None, [1, 63, 64, 65, 333, 474]])
+def test_forward_l2norm_in_kernel(gate, seqlens):
+    """use_qk_l2norm_in_kernel: the float64 recurrence on normalised q, k within SPEC §5's bound; as
+    accurate as FLA's own in-kernel l2norm; and close to normalising before the call."""
+    T = 1000
+    args = random_inputs(1, T, 4, 128, HV=8, gate=gate, l2norm=True, seqlens=seqlens, initial_state=True, seed=6)
+    ref_o, ref_s = reference_forward(**args, method="chunked")
+    o, s = kda_forward(**args)
+    o_fla, s_fla = fla_chunk_kda()(**args)
+    assert rel_err(o, ref_o) <= max(2 * rel_err(o_fla, ref_o), 5e-3)
+    assert rel_err(o, ref_o) <= rel_err(o_fla, ref_o) and rel_err(s, ref_s) <= rel_err(s_fla, ref_s)
+    normed = {n: reference.l2norm(args[n]).to(args[n].dtype) for n in ("q", "k")}
+    o_pre, s_pre = kda_forward(**{**args, **normed, "use_qk_l2norm_in_kernel": False})
+    assert rel_err(o, o_pre) < 1e-2 and rel_err(s, s_pre) < 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("K,V", [(128, 64), (64, 128)])
+def test_forward_key_and_value_dims_differ(K, V):
+    args = random_inputs(2, 200, 2, K, V=V, HV=4, initial_state=True, seed=K)
+    ref_o, ref_s = reference_forward(**args, method="chunked")
+    o, s = kda_forward(**args)
+    assert o.shape == args["v"].shape and s.shape == (2, 4, K, V)
+    assert rel_err(o, ref_o) <= 5e-3 and rel_err(s, ref_s) <= 5e-3

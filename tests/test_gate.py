@@ -7,6 +7,7 @@ import torch
 from kda_opt import reference as ref
 from kda_opt.gate import gate_cumsum
 from kda_opt.options import GateConfig
+from kda_opt.seqs import packed
 from tests.conftest import gpu, kernel_device, rel_err
 
 MODES = {
@@ -48,6 +49,28 @@ def test_gate_interpreter_or_gpu(mode, T):
 def test_gate_ragged_head_dim(K):
     """K not a multiple of the kernel's K tile: the masked columns must be neither read nor written."""
     assert run_case(1, 70, 2, K, "sigmoid", torch.float32, kernel_device()) < 1e-6
+
+
+@pytest.mark.parametrize("lens", [[1, 63, 64, 65, 130, 0, 7], [200], [0, 3, 64]])
+@pytest.mark.parametrize("mode", ["sigmoid", "softplus", "preactivated"])
+def test_gate_packed_sequences(lens, mode):
+    """Sequences packed along T (cu_seqlens): each one's chunks start at its own first token, so the
+    result is the concatenation of the sequences run one by one."""
+    gate, has_a, has_bias = MODES[mode]
+    T, HV, K = sum(lens), 3, 32
+    gen = torch.Generator().manual_seed(T)
+    g = 3 * torch.randn(1, T, HV, K, generator=gen)
+    if mode == "preactivated":
+        g = -torch.rand(1, T, HV, K, generator=gen)
+    A_log = torch.randn(HV, generator=gen) if has_a else None
+    dt_bias = torch.randn(HV * K, generator=gen) if has_bias else None
+    cu = torch.tensor([0, *lens]).cumsum(0)
+    dev = kernel_device()
+    to = lambda x: None if x is None else x.to(dev)
+    out = gate_cumsum(to(g), gate, to(A_log), to(dt_bias), 64, packed(cu.to(dev), T, 64))
+    expected = torch.cat([expected_gcum(g[:, a:b], gate, A_log, dt_bias, 64)
+                          for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())], dim=1)
+    assert rel_err(out, expected) < 1e-6
 
 
 @gpu

@@ -11,6 +11,7 @@ import torch
 
 from kda_opt import reference as ref
 from kda_opt.intra import intra_chunk
+from kda_opt.seqs import packed
 from tests.conftest import gpu, kernel_device, rel_err
 from tests.stage_inputs import stage_inputs
 
@@ -44,19 +45,61 @@ def correlated(x, seed=0):
     return with_gate({**x, "k": k.to(x["k"])}, a.to(x["gcum"].device))
 
 
-def assert_structure(Aqk, Tm, beta, T):
-    """Exact zeros above the diagonal and past a tail chunk's end, in Aqk and Tm; β on Tm's diagonal
-    (exactly in fp32; within one unit of the last place in 16 bits)."""
-    rows = torch.arange(T) % C
+def assert_structure(Aqk, Tm, beta, T, lens=None):
+    """Exact zeros above the diagonal (so past a tail chunk's end too), in Aqk and Tm; β on Tm's
+    diagonal (exactly in fp32; within one unit of the last place in 16 bits). lens: the lengths of
+    sequences packed along T, each chunked from its own first token."""
+    rows = (torch.arange(T) if lens is None else torch.cat([torch.arange(n) for n in lens])) % C
     cols = torch.arange(C)
     above = cols[None, :] > rows[:, None]
-    tail = (torch.arange(T) >= T // C * C)[:, None] & (cols[None, :] >= T % C)
     per_token = lambda A: A.permute(0, 2, 1, 3).cpu()       # [B, HV, T, C]
-    assert (per_token(Aqk)[:, :, above | tail] == 0).all()
-    assert (per_token(Tm)[:, :, above | tail] == 0).all()
+    assert (per_token(Aqk)[:, :, above] == 0).all()
+    assert (per_token(Tm)[:, :, above] == 0).all()
     diag = per_token(Tm)[:, :, cols[None, :] == rows[:, None]].float()
     beta = beta.float().permute(0, 2, 1).cpu()
     assert ((diag - beta).abs() <= torch.finfo(Tm.dtype).eps * beta).all()
+
+
+def run_packed(x, lens, scale, l2norm=False):
+    """Sequences of `lens` packed along x's T (B = 1), Γ restarted at each one's first token: the
+    kernel's Aqk and Tm, and the reference's, sequence by sequence (q, k L2-normalised if asked)."""
+    cu = torch.tensor([0, *lens]).cumsum(0)
+    bounds = [(a, b) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()) if b > a]
+    gcum = (torch.cat([ref.chunk_cumsum(x["a"][:, a:b]) for a, b in bounds], dim=1) / math.log(2.0)).float()
+    q, k, beta = x["q"], x["k"], x["beta"]
+    Aqk, Tm = intra_chunk(q, k, gcum, beta, scale, gate_bounded=x["bounded"], l2norm=l2norm,
+                          seqs=packed(cu.to(q.device), sum(lens), C))
+    rq, rk = (ref.l2norm(q), ref.l2norm(k)) if l2norm else (q, k)
+    rAqk, rTm = [], []
+    for a, b in bounds:
+        A, Akk = ref.intra_chunk(rq[:, a:b], rk[:, a:b], gcum[:, a:b].double() * math.log(2.0), beta[:, a:b], scale)
+        rAqk.append(A)
+        rTm.append(ref.solve(Akk, beta[:, a:b]))
+    return Aqk, Tm, torch.cat(rAqk, dim=1), torch.cat(rTm, dim=1)
+
+
+@pytest.mark.parametrize("gate", ["safe", "softplus"])
+@pytest.mark.parametrize("lens", [[1, 63, 64, 65, 130, 0, 7], [100, 28]])
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_intra_packed_sequences(lens, gate, l2norm):
+    """cu_seqlens: chunks start at each sequence's first token and never cross into the next; with
+    l2norm, q and k rows are normalised as they are read (keys here are not unit-norm)."""
+    x = stage_inputs(1, sum(lens), 1, 64, HV=2, gate=gate, device=kernel_device(), seed=len(lens))
+    x["k"] = 3 * x["k"] + 0.1
+    Aqk, Tm, rAqk, rTm = run_packed(x, lens, 0.125, l2norm)
+    assert rel_err(Aqk, rAqk) < 2e-6
+    assert rel_err(Tm, rTm) < 2e-6
+    assert_structure(Aqk, Tm, x["beta"], sum(lens), lens)
+
+
+def test_intra_l2norm():
+    """l2norm over a fixed-length batch: the same matrices as q and k normalised beforehand."""
+    x = stage_inputs(2, 130, 2, 64, HV=4, gate="softplus", device=kernel_device(), seed=11)
+    x = {**x, "k": 2 * x["k"] - 0.3}
+    Aqk, Tm = intra_chunk(x["q"], x["k"], x["gcum"], x["beta"], 0.125, l2norm=True)
+    n = lambda t: ref.l2norm(t).float()
+    Aqk_n, Tm_n = intra_chunk(n(x["q"]), n(x["k"]), x["gcum"], x["beta"], 0.125)
+    assert rel_err(Aqk, Aqk_n) < 2e-6 and rel_err(Tm, Tm_n) < 2e-6
 
 
 @pytest.mark.parametrize("gate", ["safe", "softplus"])
@@ -171,3 +214,14 @@ def test_intra_gpu_fp32(gate):
     # fp32 inputs: three tf32 passes, ≈ fp32 accuracy.
     assert rel_err(Aqk, rAqk) < 1e-5 and rel_err(Tm, rTm) < 1e-5
     assert_structure(Aqk, Tm, x["beta"], 1000)
+
+
+@gpu
+@pytest.mark.parametrize("gate", ["safe", "softplus"])
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_intra_gpu_packed(gate, l2norm):
+    lens = [1, 63, 64, 65, 333, 0, 1000, 7]
+    x = stage_inputs(1, sum(lens), 2, 128, HV=4, gate=gate, dtype=torch.bfloat16, device="cuda", seed=9)
+    Aqk, Tm, rAqk, rTm = run_packed(x, lens, 128 ** -0.5, l2norm)
+    assert rel_err(Aqk, rAqk) < 5e-3 and rel_err(Tm, rTm) < 5e-3
+    assert_structure(Aqk, Tm, x["beta"], sum(lens), lens)

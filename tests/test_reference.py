@@ -115,3 +115,45 @@ def test_reference_forward_methods_agree():
     o_r, s_r = ref.reference_forward(**args)
     o_c, s_c = ref.reference_forward(**args, method="chunked")
     assert rel_err(o_c, o_r) < 1e-10 and rel_err(s_c, s_r) < 1e-10
+
+
+def test_packed_sequences_equal_a_batch():
+    """cu_seqlens over N sequences of one length gives what a batch of N gives: o, and each state."""
+    from kda_opt.inputs import random_inputs
+    batch = random_inputs(3, 70, 2, 16, HV=4, gate="softplus", dtype=torch.float32, device="cpu", initial_state=True)
+    flat = lambda x: x.reshape(1, -1, *x.shape[2:])
+    cu = torch.tensor([0, 70, 140, 210])
+    packed = {**batch, **{n: flat(batch[n]) for n in ("q", "k", "v", "g", "beta")}, "cu_seqlens": cu}
+    for method in ("recurrent", "chunked"):
+        o_b, s_b = ref.reference_forward(**batch, method=method)
+        o_p, s_p = ref.reference_forward(**packed, method=method)
+        assert rel_err(o_p, flat(o_b)) < 1e-12 and rel_err(s_p, s_b) < 1e-12
+
+
+def test_packed_empty_sequence_passes_its_state_through():
+    from kda_opt.inputs import random_inputs
+    args = random_inputs(1, 9, 1, 16, dtype=torch.float32, device="cpu", seqlens=[4, 0, 5], initial_state=True)
+    o, s = ref.reference_forward(**args)
+    assert o.shape[1] == 9 and torch.equal(s[1], args["initial_state"][1].double())
+
+
+@pytest.mark.parametrize("cut", [1, 63, 64, 65, 100])
+def test_chunked_form_continues_across_a_cut(cut):
+    """The chunked form cut anywhere, the first part's final state starting the second, is the
+    recurrence over the whole: what kda_forward's continuation tests rely on."""
+    q, k, v, a, beta = make_inputs(1, 130, 2, 16, 8, "sigmoid", seed=cut)
+    o, S = ref.recurrent_kda(q, k, v, a, beta)
+    part = lambda x, s: x[:, s]
+    o1, S1 = ref.chunked_kda(*(part(x, slice(0, cut)) for x in (q, k, v, a, beta)))
+    o2, S2 = ref.chunked_kda(*(part(x, slice(cut, None)) for x in (q, k, v, a, beta)), initial_state=S1)
+    assert rel_err(torch.cat([o1, o2], dim=1), o) < 1e-10 and rel_err(S2, S) < 1e-10
+
+
+def test_l2norm_in_kernel_is_normalising_before():
+    from kda_opt.inputs import random_inputs
+    args = random_inputs(1, 20, 2, 16, dtype=torch.float32, device="cpu", l2norm=True)
+    o, _ = ref.reference_forward(**args)
+    normed = {**args, "use_qk_l2norm_in_kernel": False,
+              **{n: args[n] / (args[n].double().square().sum(-1, keepdim=True) + 1e-6).sqrt() for n in ("q", "k")}}
+    assert rel_err(ref.reference_forward(**normed)[0], o) < 1e-12
+    assert rel_err(ref.reference_forward(**{**args, "use_qk_l2norm_in_kernel": False})[0], o) > 1e-2

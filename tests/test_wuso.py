@@ -1,6 +1,7 @@
 """Stage 4, the cuTile W/U/S/O kernel: compiled to sm_90 cubins without a GPU (tier c), and on the
 GPU against the float64 state pass fed the same Γ, Tm and Aqk (tier d)."""
 import io
+import math
 
 import pytest
 import torch
@@ -12,7 +13,8 @@ from kda_opt.wuso import block_v_for, launch_config, wuso, wuso_kernel
 from tests.conftest import gpu, rel_err
 from tests.stage_inputs import stage_inputs
 
-CT_DTYPES = {torch.bfloat16: ct.bfloat16, torch.float16: ct.float16, torch.float32: ct.float32}
+CT_DTYPES = {torch.bfloat16: ct.bfloat16, torch.float16: ct.float16, torch.float32: ct.float32,
+             torch.int32: ct.int32, torch.int64: ct.int64}
 H100_SMS = 132
 BOUND = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-3}
 
@@ -38,15 +40,19 @@ def constraint(arg):
     return ScalarConstraint(ct.float32) if isinstance(arg, float) else arg
 
 
-def cubin(dtype, K, has_state, store_state, block_v=None, B=1, T=8192, H=96):
+def cubin(dtype, K, has_state, store_state, block_v=None, B=1, T=8192, H=96, seqs=None, l2norm=False):
     """The launcher's specialisation (launch_config on meta tensors of the SPEC §5 default shape),
-    compiled for sm_90; block_v None takes the launcher's choice on an H100."""
+    compiled for sm_90; block_v None takes the launcher's choice on an H100. seqs: (N, cu_seqlens
+    dtype) packs N sequences into the one batch entry (B = 1)."""
     meta = lambda *shape, dt=dtype: torch.empty(*shape, dtype=dt, device="meta")
     q, k, v, o = (meta(B, T, H, K) for _ in range(4))
-    gcum, state = meta(B, T, H, K, dt=torch.float32), meta(B, H, K, K, dt=torch.float32)
-    block_v = block_v or block_v_for(B * H, K, H100_SMS, dtype)
+    cu_seqlens = None if seqs is None else meta(seqs[0] + 1, dt=seqs[1])
+    N = B if seqs is None else seqs[0]
+    gcum, state = meta(B, T, H, K, dt=torch.float32), meta(N, H, K, K, dt=torch.float32)
+    block_v = block_v or block_v_for(N * H, K, H100_SMS, dtype)
     _, args = launch_config(q, k, v, gcum, meta(B, T, H, 64), meta(B, T, H, 64), K ** -0.5,
-                            state if has_state else None, o, state if store_state else None, block_v)
+                            state if has_state else None, o, state if store_state else None, block_v,
+                            cu_seqlens=cu_seqlens, l2norm=l2norm)
     signature = KernelSignature([constraint(a) for a in args], CallingConvention.cutile_python_v2())
     buf = io.BytesIO()
     export_kernel(wuso_kernel, [signature], buf, gpu_code="sm_90", output_format="cubin")
@@ -75,6 +81,17 @@ def test_exports_other_specialisations(dtype, K, has_state, store_state, block_v
     assert_kernel_cubin(cubin(dtype, K, has_state, store_state, block_v, B, T, H))
 
 
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_exports_packed_and_l2norm(cu_dtype, l2norm):
+    """Packed sequences (each read through a view of its rows) and in-kernel l2norm compile."""
+    assert_kernel_cubin(cubin(torch.bfloat16, 128, True, True, T=8192, H=32, seqs=(64, cu_dtype), l2norm=l2norm))
+
+
+def test_exports_l2norm_fixed_length():
+    assert_kernel_cubin(cubin(torch.bfloat16, 128, True, True, l2norm=True))
+
+
 def test_block_v_fills_one_wave():
     assert block_v_for(96, 128, H100_SMS, torch.bfloat16) == 128    # 96 programs
     assert block_v_for(48, 128, H100_SMS, torch.bfloat16) == 64     # 96 programs, not 48
@@ -100,15 +117,16 @@ def stage4_case(B, T, H, HV, K, dtype, with_state, gate="safe", seed=0, V=None):
     return inputs, h0, ref_o, ref_s
 
 
-def run_poisoned(inputs, h0, block_v=None):
+def run_poisoned(inputs, h0, block_v=None, cu_seqlens=None, l2norm=False):
     """One launch into NaN-filled o and final state, so that any element the kernel skips fails."""
     q, v = inputs[0], inputs[2]
     B, _, HV, V = v.shape
-    block_v = block_v or block_v_for(B * HV, V, torch.cuda.get_device_properties(v.device).multi_processor_count,
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    block_v = block_v or block_v_for(N * HV, V, torch.cuda.get_device_properties(v.device).multi_processor_count,
                                      q.dtype)
     o = torch.full_like(v, float("nan"))
-    final = torch.full((B, HV, q.shape[-1], V), float("nan"), device=v.device)
-    grid, args = launch_config(*inputs, h0, o, final, block_v)
+    final = torch.full((N, HV, q.shape[-1], V), float("nan"), device=v.device)
+    grid, args = launch_config(*inputs, h0, o, final, block_v, cu_seqlens=cu_seqlens, l2norm=l2norm)
     ct.launch(torch.cuda.current_stream(), grid, wuso_kernel, args)
     return o, final
 
@@ -160,3 +178,43 @@ def test_wuso_launcher(with_state):
     assert rel_err(o, ref_o) < 1e-2 and rel_err(s, ref_s) < 1e-2
     o_only, none = wuso(*inputs, initial_state=h0)
     assert none is None and rel_err(o_only, ref_o) < 1e-2
+
+
+def packed_case(lens, H, HV, K, with_state, l2norm, seed=0):
+    """stage4_case for sequences of `lens` packed along T (B = 1), each chunked from its own first
+    token and run from its own initial state; q and k are not unit-norm when l2norm."""
+    T, N = sum(lens), len(lens)
+    x = stage_inputs(1, T, H, K, HV=HV, gate="softplus", dtype=torch.bfloat16, device="cuda", seed=seed)
+    if l2norm:
+        x["k"] = 2 * x["k"] - 0.2
+    rq, rk = (ref.l2norm(x["q"]), ref.l2norm(x["k"])) if l2norm else (x["q"], x["k"])
+    cu = torch.tensor([0, *lens]).cumsum(0)
+    gen = torch.Generator().manual_seed(seed + 1)
+    h0 = torch.randn(N, HV, K, K, generator=gen).cuda() if with_state else None
+    scale, parts, states = K ** -0.5, [], []
+    for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        S0 = None if h0 is None else h0[n:n + 1]
+        if a == b:
+            states.append(torch.zeros(1, HV, K, K, dtype=torch.float64, device="cuda") if S0 is None else S0.double())
+            continue
+        gamma = ref.chunk_cumsum(x["a"][:, a:b])
+        Aqk, Akk = ref.intra_chunk(rq[:, a:b], rk[:, a:b], gamma, x["beta"][:, a:b], scale)
+        Tm = ref.solve(Akk, x["beta"][:, a:b])
+        W, U = ref.wu(Tm, rk[:, a:b], x["v"][:, a:b], gamma)
+        o, S = ref.state_pass(rq[:, a:b], rk[:, a:b], W, U, Aqk, gamma, scale, S0)
+        parts.append((gamma, Tm, Aqk, o))
+        states.append(S)
+    cat = lambda i: torch.cat([p[i] for p in parts], dim=1)
+    gcum = (cat(0) / math.log(2.0)).float()
+    inputs = (x["q"], x["k"], x["v"], gcum, cat(1).to(torch.bfloat16), cat(2).to(torch.bfloat16), scale)
+    return inputs, h0, cu.to(torch.int32).cuda(), cat(3), torch.cat(states)
+
+
+@gpu
+@pytest.mark.parametrize("lens", [[1, 63, 64, 65, 333, 0, 1000, 7], [64] * 40, [5000]])
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_wuso_packed(lens, with_state, l2norm):
+    inputs, h0, cu, ref_o, ref_s = packed_case(lens, 2, 4, 128, with_state, l2norm, seed=len(lens))
+    o, s = run_poisoned(inputs, h0, cu_seqlens=cu, l2norm=l2norm)
+    assert rel_err(o, ref_o) < 1e-2 and rel_err(s, ref_s) < 1e-2

@@ -1,0 +1,105 @@
+"""Where the sequences, and the chunks of each, lie along T: a fixed-length batch or packed sequences.
+
+    fixed:  B sequences of T tokens; sequence b is rows b·T .. b·T + T − 1 of [B·T, ...]
+    packed: B = 1; sequence n is tokens cu_seqlens[n] .. cu_seqlens[n+1] − 1 (FlashAttention's
+            cu_seqlens, [N + 1]), cut into chunks of C from its own first token
+A per-chunk grid has one slot per chunk. Packed, Σ cdiv(len_n, C) ≤ cdiv(T, C) + N − 1, so that many
+slots cover any lengths; chunk_indices [slots, 2] names each slot's (sequence, chunk in it), (−1, 0)
+for a spare one, and is built on the device from cu_seqlens by two small kernels (no host sync):
+offsets = [0, cumsum(cdiv(len_n, C))], then a binary search of offsets per slot (FLA builds the same
+table, prepare_chunk_indices, on the host). A per-sequence grid (stage 4) reads cu_seqlens directly.
+"""
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 1024  # sequences per step of the offsets scan; slots per program of the index search
+
+
+@dataclass(frozen=True)
+class Seqs:
+    """The sequence layout the stages launch over (see the module docstring)."""
+    N: int                                    # sequences
+    chunk_slots: int                          # extent of a per-chunk grid along T
+    cu_seqlens: torch.Tensor | None = None    # [N + 1] int32/int64 on the device; None: fixed length
+    chunk_indices: torch.Tensor | None = None  # [chunk_slots, 2] int32: (sequence, chunk), packed only
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+    def pointers(self, fallback: torch.Tensor):
+        """(cu_seqlens, chunk_indices) as kernel arguments; `fallback` stands in for both when fixed."""
+        return (self.cu_seqlens, self.chunk_indices) if self.packed else (fallback, fallback)
+
+
+def fixed(B: int, T: int, chunk_size: int) -> Seqs:
+    return Seqs(N=B, chunk_slots=triton.cdiv(T, chunk_size))
+
+
+def packed(cu_seqlens: torch.Tensor, T: int, chunk_size: int) -> Seqs:
+    """The layout of sequences packed along T by cu_seqlens (validated by the caller)."""
+    N = cu_seqlens.shape[0] - 1
+    slots = triton.cdiv(T, chunk_size) + N - 1
+    offsets = torch.empty(N + 1, dtype=torch.int32, device=cu_seqlens.device)
+    chunk_offsets_kernel[(1,)](cu_seqlens, offsets, N, T, C=chunk_size, BLOCK=BLOCK)
+    indices = torch.empty(slots, 2, dtype=torch.int32, device=cu_seqlens.device)
+    chunk_indices_kernel[(triton.cdiv(slots, BLOCK),)](offsets, indices, N, slots, N.bit_length(), BLOCK=BLOCK)
+    return Seqs(N=N, chunk_slots=slots, cu_seqlens=cu_seqlens, chunk_indices=indices)
+
+
+@triton.jit
+def _bounds(cu_seqlens, n, T):
+    """First token and end of sequence n (vectors or scalars), clamped to 0 ≤ bos ≤ eos ≤ T: a
+    cu_seqlens that breaks its contract (non-decreasing from 0 to T) gives wrong numbers, never an
+    access out of bounds."""
+    bos = tl.minimum(tl.maximum(tl.load(cu_seqlens + n).to(tl.int64), 0), T)
+    eos = tl.minimum(tl.maximum(tl.load(cu_seqlens + n + 1).to(tl.int64), bos), T)
+    return bos, eos
+
+
+@triton.jit
+def chunk_offsets_kernel(cu_seqlens, offsets, N, T, C: tl.constexpr, BLOCK: tl.constexpr):
+    # offsets[n] = Σ_{m<n} cdiv(len_m, C): one program, the scan carried across blocks of sequences.
+    tl.store(offsets, 0)
+    carry = N * 0
+    for n0 in range(0, N, BLOCK):
+        o_n = n0 + tl.arange(0, BLOCK)
+        m_n = o_n < N
+        bos, eos = _bounds(cu_seqlens, tl.where(m_n, o_n, 0), T)
+        counts = tl.where(m_n, (eos - bos + C - 1) // C, 0).to(tl.int32)
+        tl.store(offsets + o_n + 1, carry + tl.cumsum(counts, axis=0), mask=m_n)
+        carry += tl.sum(counts, axis=0)
+
+
+@triton.jit
+def chunk_indices_kernel(offsets, indices, N, slots, STEPS, BLOCK: tl.constexpr):
+    # Slot s belongs to the last sequence n with offsets[n] ≤ s (empty sequences own no slot): a
+    # binary search over n ∈ [0, N − 1], STEPS ≥ log2(N) + 1 halvings, per slot of the block.
+    o_s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    lo = o_s * 0
+    hi = lo + N - 1
+    for _ in range(STEPS):
+        mid = (lo + hi + 1) // 2
+        below = tl.load(offsets + mid) <= o_s
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid - 1)
+    used = o_s < tl.load(offsets + N + 0 * o_s)
+    m_s = o_s < slots
+    tl.store(indices + 2 * o_s, tl.where(used, lo, -1), mask=m_s)
+    tl.store(indices + 2 * o_s + 1, tl.where(used, o_s - tl.load(offsets + lo), 0), mask=m_s)
+
+
+@triton.jit
+def chunk_span(i_b, i_t, T, cu_seqlens, chunk_indices, PACKED: tl.constexpr):
+    """Chunk slot i_t of batch entry i_b → (its sequence's first token as a row of [B·T], the
+    sequence's length, the chunk's index in the sequence). A spare slot is chunk 0 of an empty
+    sequence: every mask against the length is false there."""
+    if PACKED:
+        n = tl.load(chunk_indices + 2 * i_t)
+        bos, eos = _bounds(cu_seqlens, tl.maximum(n, 0), T)
+        return bos, tl.where(n >= 0, eos - bos, 0), tl.load(chunk_indices + 2 * i_t + 1).to(tl.int64)
+    else:
+        return i_b * T, T, i_t

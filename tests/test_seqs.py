@@ -1,0 +1,52 @@
+"""The chunk table of packed sequences (kda_opt/seqs), under the interpreter or on the GPU, against
+the table built on the host as FLA does (prepare_chunk_indices)."""
+import pytest
+import torch
+import triton
+
+from kda_opt.seqs import BLOCK, packed
+from tests.conftest import kernel_device
+
+
+def host_table(lens, C=64):
+    """(sequence, chunk) for every chunk of every sequence, in order."""
+    return [(n, c) for n, length in enumerate(lens) for c in range(triton.cdiv(length, C))]
+
+
+def table(cu_seqlens, T, C=64):
+    seqs = packed(cu_seqlens.to(kernel_device()), T, C)
+    rows = [tuple(r) for r in seqs.chunk_indices.cpu().tolist()]
+    assert seqs.chunk_slots == len(rows) == triton.cdiv(T, C) + seqs.N - 1
+    return seqs, rows
+
+
+@pytest.mark.parametrize("lens", [[1], [64], [65], [1, 63, 64, 65, 130, 0, 7], [0, 0, 5, 0], [200, 1, 1, 1]])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_chunk_table(lens, dtype):
+    cu = torch.tensor([0, *lens]).cumsum(0).to(dtype)
+    _, rows = table(cu, sum(lens))
+    used = host_table(lens)
+    assert rows[:len(used)] == used
+    assert rows[len(used):] == [(-1, 0)] * (len(rows) - len(used))   # spare slots
+
+
+def test_chunk_table_many_sequences():
+    """More sequences than one block of the offsets scan, more slots than one search program."""
+    gen = torch.Generator().manual_seed(0)
+    lens = torch.randint(0, 150, (3 * BLOCK + 5,), generator=gen).tolist()
+    _, rows = table(torch.tensor([0, *lens]).cumsum(0), sum(lens))
+    used = host_table(lens)
+    assert rows[:len(used)] == used and all(r == (-1, 0) for r in rows[len(used):])
+
+
+def test_chunk_table_of_a_broken_cu_seqlens_is_clamped():
+    """Values that break the contract (falling, past T, negative) are clamped to 0 ≤ bos ≤ eos ≤ T,
+    as the stages read them: a wrong table, but never a chunk outside the array."""
+    cu = [0, 300, 100, -5, 40, 1000]
+    T, clamped = 120, []
+    for bos, eos in zip(cu[:-1], cu[1:]):
+        bos = min(max(bos, 0), T)
+        clamped.append(min(max(eos, bos), T) - bos)
+    _, rows = table(torch.tensor(cu, dtype=torch.int32), T)
+    used = host_table(clamped)
+    assert rows[:len(used)] == used and all(r == (-1, 0) for r in rows[len(used):])
