@@ -8,6 +8,7 @@
 Each stage runs inside an NVTX range of the `kda_opt` domain; nothing here waits on the device.
 """
 import functools
+import warnings
 
 import nvtx
 import torch
@@ -18,7 +19,7 @@ from .options import GateConfig
 from .seqs import fixed, packed
 from .wuso import wuso
 
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # q, k, v; and the initial state
 SUPPORTED_HEAD_DIMS = (64, 128)  # K and V each; FLA also takes 256, which stage 2's registers cannot hold
 SAFE_LOWER_BOUND = (-5.0, 0.0)  # the range in which safe_gate keeps in-chunk exponents bounded
 
@@ -37,13 +38,17 @@ def kda_forward(
     *,
     use_qk_l2norm_in_kernel: bool = False,
     use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     safe_gate: bool = False,
     lower_bound: float | None = None,
+    state_v_first: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_size: int = 64,
+    transpose_state_layout: bool | None = None,
 ):
     r"""Forward pass of Kimi Delta Attention; the same function as FLA 0.6.0 ``chunk_kda``.
 
@@ -56,13 +61,14 @@ def kda_forward(
             ``h`` reads q/k head ``h // (HV / H)``).
         g: ``[B, T, HV, K]`` gate, any float dtype: the raw gate if ``use_gate_in_kernel``, else
             the log-decay ``a ≤ 0`` itself.
-        beta: ``[B, T, HV]`` delta-rule write strength (post-sigmoid), any float dtype.
+        beta: ``[B, T, HV]`` delta-rule write strength (post-sigmoid; logits with
+            ``use_beta_sigmoid_in_kernel``), any float dtype.
         scale: query scale; default ``K ** -0.5``.
         initial_state: ``[N, HV, K, V]`` state before each sequence's first token (N = B, or the
-            number of packed sequences); float32 (another float dtype is cast to float32 once).
-            None starts from zero.
-        output_final_state: also return the state after each sequence's last token,
-            ``[N, HV, K, V]`` float32.
+            number of packed sequences; ``[N, HV, V, K]`` with ``state_v_first``); float32, bf16 or
+            fp16, read as it is. None starts from zero.
+        output_final_state: also return the state after each sequence's last token, float32, in
+            initial_state's layout.
 
     Keyword-only (as FLA names them):
         use_qk_l2norm_in_kernel: L2-normalise q and k per head and token, ``x / sqrt(Σ x² + 1e-6)``,
@@ -70,12 +76,18 @@ def kda_forward(
         use_gate_in_kernel: activate ``g`` here: ``a = lower_bound · sigmoid(exp(A_log) · (g +
             dt_bias))`` when ``lower_bound`` is given (A_log optional), else ``a = −exp(A_log) ·
             softplus(g + dt_bias)`` (A_log required).
+        use_beta_sigmoid_in_kernel: ``beta`` holds logits: ``β = sigmoid(beta)``, taken where β
+            is read (no pass of its own).
+        allow_neg_eigval: ``β = 2 · sigmoid(beta)``, in (0, 2), so that ``I − β k kᵀ`` may have
+            negative eigenvalues; needs ``use_beta_sigmoid_in_kernel`` (as in FLA).
         A_log: ``[HV]`` float32 per-head decay rate (gate in kernel only).
         dt_bias: ``[HV · K]`` float32 per-channel bias (gate in kernel only; optional).
         safe_gate: promise that ``a ≥ lower_bound`` with ``lower_bound ∈ [−5, 0)``, which lets the
             intra-chunk products run on tensor cores in 16-bit. With ``use_gate_in_kernel`` it
             requires ``lower_bound``.
         lower_bound: see ``use_gate_in_kernel`` and ``safe_gate``.
+        state_v_first: initial and final states laid out ``[N, HV, V, K]`` (FlashKDA's layout)
+            instead of ``[N, HV, K, V]``.
         cu_seqlens: ``[N + 1]`` int32/int64 on q's device: N sequences packed along T (B must be
             1), sequence n being tokens ``cu_seqlens[n] .. cu_seqlens[n+1] − 1``, each with its own
             initial and final state; chunks never cross a sequence boundary. Its values must rise
@@ -85,6 +97,8 @@ def kda_forward(
             here, without a host-device synchronisation. Nothing else uses it: kda_forward never
             needs the lengths on the host.
         chunk_size: 64 (the only size this engine computes).
+        transpose_state_layout: FLA's deprecated name of ``state_v_first`` (a DeprecationWarning;
+            passing both is an error).
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state as above, or None.
@@ -93,11 +107,20 @@ def kda_forward(
     contiguous (a copy). Bad inputs raise ValueError or TypeError naming the argument before any
     kernel runs. No host-device synchronisation.
     """
-    gate = _validate(q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias,
-                     safe_gate, lower_bound, cu_seqlens, cu_seqlens_cpu, chunk_size)
+    if transpose_state_layout is not None:
+        if state_v_first:
+            raise ValueError("pass state_v_first or its deprecated name transpose_state_layout, not both")
+        warnings.warn("transpose_state_layout is deprecated; its name is now state_v_first",
+                      DeprecationWarning, stacklevel=2)
+        state_v_first = bool(transpose_state_layout)
+    gate = _validate(q, k, v, g, beta, initial_state, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+                     dt_bias=dt_bias, safe_gate=safe_gate, lower_bound=lower_bound,
+                     use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                     state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                     chunk_size=chunk_size)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if initial_state is not None:
-        initial_state = initial_state.to(torch.float32).contiguous()
+        initial_state = initial_state.contiguous()
     if gate.in_kernel:
         A_log = None if A_log is None else A_log.to(torch.float32).contiguous()
         dt_bias = None if dt_bias is None else dt_bias.to(torch.float32).contiguous()
@@ -107,6 +130,7 @@ def kda_forward(
 
     B, T = q.shape[:2]
     l2norm = use_qk_l2norm_in_kernel
+    beta_sigmoid = (2.0 if allow_neg_eigval else 1.0) if use_beta_sigmoid_in_kernel else None
     with nvtx_range("kda_opt/forward"):
         if cu_seqlens is None:
             seqs = fixed(B, T, chunk_size)
@@ -117,14 +141,15 @@ def kda_forward(
             gcum = gate_cumsum(g, gate, A_log, dt_bias, chunk_size, seqs)
         with nvtx_range("kda_opt/intra"):
             Aqk, Tm = intra_chunk(q, k, gcum, beta, scale, chunk_size, gate_bounded=gate.bounded, seqs=seqs,
-                                  l2norm=l2norm)
+                                  l2norm=l2norm, beta_sigmoid=beta_sigmoid)
         with nvtx_range("kda_opt/wuso"):
             return wuso(q, k, v, gcum, Tm, Aqk, scale, initial_state, output_final_state, chunk_size,
-                        cu_seqlens=cu_seqlens, l2norm=l2norm)
+                        cu_seqlens=cu_seqlens, l2norm=l2norm, state_v_first=state_v_first)
 
 
-def _validate(q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bias,
-              safe_gate, lower_bound, cu_seqlens, cu_seqlens_cpu, chunk_size) -> GateConfig:
+def _validate(q, k, v, g, beta, initial_state, *, use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound,
+              use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, cu_seqlens_cpu,
+              chunk_size) -> GateConfig:
     """Checks every argument's type, shape, dtype and device; returns the gate configuration."""
     named = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
     optional = {"initial_state": initial_state, "A_log": A_log, "dt_bias": dt_bias}
@@ -156,10 +181,17 @@ def _validate(q, k, v, g, beta, initial_state, use_gate_in_kernel, A_log, dt_bia
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     N = B if cu_seqlens is None and cu_seqlens_cpu is None else _validate_seqlens(cu_seqlens, cu_seqlens_cpu, B, T)
-    if initial_state is not None and tuple(initial_state.shape) != (N, HV, K, V):
-        raise ValueError(f"initial_state must have shape {[N, HV, K, V]} (N = "
-                         f"{'B' if cu_seqlens is None else 'the number of sequences'}), "
+    state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    if initial_state is not None and tuple(initial_state.shape) != state_shape:
+        raise ValueError(f"initial_state must have shape {list(state_shape)} (N = "
+                         f"{'B' if cu_seqlens is None else 'the number of sequences'}"
+                         f"{', V before K: state_v_first' if state_v_first else ''}), "
                          f"got {list(initial_state.shape)}")
+    if initial_state is not None and initial_state.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"initial_state must be float32, bfloat16 or float16, got {initial_state.dtype}")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("allow_neg_eigval=True scales sigmoid(beta) to (0, 2): it needs "
+                         "use_beta_sigmoid_in_kernel=True (beta given as logits)")
     if chunk_size != 64:
         raise ValueError(f"chunk_size must be 64, got {chunk_size}")
 

@@ -4,10 +4,10 @@
     Akk[i,j] = β_i   · Σ_d k_i,d k_j,d 2^(Γ_i,d − Γ_j,d)   (i > j)
     Tm       = (I + Akk)⁻¹ Diag(β)
 In: q, k [B, T, H, K] (bf16/fp16/fp32; L2-normalised per row here if asked); Γ [B, T, HV, K] fp32 in
-log2 units; β [B, T, HV]; value head hv reads q/k head hv // (HV / H). Out: Aqk [B, T, HV, 64] in q's
-dtype, Tm [B, T, HV, 64] in k's dtype; row per token, column = position in its chunk, zero above the
-diagonal and past a tail chunk's end. Chunks start at each sequence's first token (kda_opt/seqs).
-Akk never leaves the registers.
+log2 units; β [B, T, HV] (or its logits, the sigmoid taken here); value head hv reads q/k head
+hv // (HV / H). Out: Aqk [B, T, HV, 64] in q's dtype, Tm [B, T, HV, 64] in k's dtype; row per token,
+column = position in its chunk, zero above the diagonal and past a tail chunk's end. Chunks start at
+each sequence's first token (kda_opt/seqs). Akk never leaves the registers.
 
 Products. The chunk's rows are taken in four 16-row blocks R, each one product over its columns on
 tensor cores through a reference exponent C: q_i 2^(Γ_i − C) · k_j 2^(C − Γ_j). With C = Γ_n − SHIFT
@@ -70,6 +70,16 @@ def _qk_tile(p, o_t, m_t, K: tl.constexpr, STRIDE: tl.constexpr, L2NORM: tl.cons
     if L2NORM:
         x = x * _rstd(x)[:, None]
     return x
+
+
+@triton.jit
+def _beta(beta, o_t, m_t, HV: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+    """β of the rows o_t, zero where not m_t: as given, or BETA_SIGMOID · sigmoid(beta) where beta
+    holds logits (BETA_SIGMOID > 0: 1, or 2 for FLA's allow_neg_eigval)."""
+    b = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
+    if BETA_SIGMOID > 0:
+        b = tl.where(m_t, BETA_SIGMOID * tl.sigmoid(b), 0.0)
+    return b
 
 
 @triton.jit
@@ -177,7 +187,8 @@ def diagonal_exact_kernel(
 def _row_block(q, k, gcum, beta, Aqk, Dkk, t0, R: tl.constexpr, T, scale,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                BTC: tl.constexpr, SHIFT: tl.constexpr, CHECK_SPAN: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr, L2NORM: tl.constexpr):
+               DOT_PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr, L2NORM: tl.constexpr,
+               BETA_SIGMOID: tl.constexpr):
     """Row block R of the chunk at t0 against its first BTC ≥ 16(R + 1) columns. Stores the block's
     Aqk rows (whole rows, zero past BTC, the diagonal block left to diagonal_exact_kernel where it
     did not fit); returns its Akk rows [BC, BTC] (β applied, zero on and above the diagonal),
@@ -219,7 +230,7 @@ def _row_block(q, k, gcum, beta, Aqk, Dkk, t0, R: tl.constexpr, T, scale,
     # The triangles zeroed, the row scales applied (scale for Aqk, β for Akk); a diagonal block that
     # did not fit was stored by diagonal_exact_kernel, and its Akk part is read back from Dkk.
     o_r = R * BC + o_i
-    b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
+    b_beta = _beta(beta, o_t, m_t, HV, BETA_SIGMOID)
     p_qk = Aqk + o_t[:, None] * (HV * BT)
     m_diag = (o_j >= R * BC) & (o_j < R * BC + BC) & (fits + 0 * o_j == 0)
     # Aqk's diagonal, where the decay is 1, is a plain row sum in fp32: with 16-bit product operands
@@ -280,7 +291,7 @@ def intra_chunk_kernel(
     T, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     SHIFT: tl.constexpr, CHECK_SPAN: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr,
-    PACKED: tl.constexpr, L2NORM: tl.constexpr,
+    PACKED: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
 ):
     # FLA 0.6.0 computes these matrices in three kernels (diagonal blocks, off-diagonal blocks fused
     # with the solve, then the inverse's merges); here one program holds a chunk's Akk in registers,
@@ -302,25 +313,25 @@ def intra_chunk_kernel(
     Tm += (bos * HV + i_hv) * BT
     Dkk += (bos * HV + i_hv) * BC
     o_c = t0 + tl.arange(0, BT)
-    b_beta = tl.load(beta + o_c * HV, mask=o_c < T, other=0.0).to(tl.float32)
+    b_beta = _beta(beta, o_c, o_c < T, HV, BETA_SIGMOID)
     P: tl.constexpr = DOT_PRECISION
     # Rows past T have zero Akk rows: identity rows of the inverse, never stored, never reached.
     A0, f, D = _row_block(q, k, gcum, beta, Aqk, Dkk, t0, 0, T, scale, H, HV, K, BT, BC, BC, SHIFT,
-                          CHECK_SPAN, P, SPLIT_BF16, L2NORM)
+                          CHECK_SPAN, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
     X0 = _solve_rows(Tm, t0, 0, T, _diagonal(A0, f, D, CHECK_SPAN), tl.zeros([BC, BT], dtype=tl.float32),
                      b_beta, HV, BT, BC, P)
     A1, f, D = _row_block(q, k, gcum, beta, Aqk, Dkk, t0, 1, T, scale, H, HV, K, BT, BC, 2 * BC, SHIFT,
-                          CHECK_SPAN, P, SPLIT_BF16, L2NORM)
+                          CHECK_SPAN, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
     A10, A11 = _halves(A1)
     X1 = _solve_rows(Tm, t0, 1, T, _diagonal(A11, f, D, CHECK_SPAN), tl.dot(A10, X0, input_precision=P),
                      b_beta, HV, BT, BC, P)
     A2, f, D = _row_block(q, k, gcum, beta, Aqk, Dkk, t0, 2, T, scale, H, HV, K, BT, BC, BT, SHIFT,
-                          CHECK_SPAN, P, SPLIT_BF16, L2NORM)
+                          CHECK_SPAN, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
     A20, A21, A22, _ = _quarters(A2)
     b_Y = tl.dot(A21, X1, tl.dot(A20, X0, input_precision=P), input_precision=P)
     X2 = _solve_rows(Tm, t0, 2, T, _diagonal(A22, f, D, CHECK_SPAN), b_Y, b_beta, HV, BT, BC, P)
     A3, f, D = _row_block(q, k, gcum, beta, Aqk, Dkk, t0, 3, T, scale, H, HV, K, BT, BC, BT, SHIFT,
-                          CHECK_SPAN, P, SPLIT_BF16, L2NORM)
+                          CHECK_SPAN, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
     A30, A31, A32, A33 = _quarters(A3)
     b_Y = tl.dot(A32, X2, tl.dot(A31, X1, tl.dot(A30, X0, input_precision=P), input_precision=P),
                  input_precision=P)
@@ -328,11 +339,13 @@ def intra_chunk_kernel(
 
 
 def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64, *, gate_bounded: bool = False,
-                seqs: Seqs | None = None, l2norm: bool = False, num_warps: int = NUM_WARPS):
+                seqs: Seqs | None = None, l2norm: bool = False, beta_sigmoid: float | None = None,
+                num_warps: int = NUM_WARPS):
     """Aqk [B, T, HV, C] (q's dtype) and Tm [B, T, HV, C] (k's dtype) of every chunk (C = 64).
     gate_bounded: every log-decay a ≥ −5 (log2 units: Γ falls at most 5/ln 2 per token), so no
     diagonal block needs the exact path. seqs: the sequence layout (kda_opt/seqs; None is B sequences
-    of T tokens). l2norm: q and k rows L2-normalised as they are read. num_warps is a tuning knob
+    of T tokens). l2norm: q and k rows L2-normalised as they are read. beta_sigmoid: beta holds
+    logits and β = beta_sigmoid · sigmoid(beta) (None: beta is β). num_warps is a tuning knob
     (scripts/bench_stages.py)."""
     B, T, H, K = q.shape
     HV = gcum.shape[2]
@@ -351,7 +364,7 @@ def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64, *, gate_bo
             EXACT_PRECISION="tf32x3", num_warps=EXACT_NUM_WARPS)
     intra_chunk_kernel[(B * HV, seqs.chunk_slots)](
         q, k, gcum, beta, Aqk, Tm, Dkk, *seqs.pointers(Aqk), T, scale, **layout,
-        CHECK_SPAN=not gate_bounded,
+        CHECK_SPAN=not gate_bounded, BETA_SIGMOID=float(beta_sigmoid or 0.0),
         # Precision (module docstring). The interpreter ignores DOT_PRECISION and multiplies in fp32.
         DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", SPLIT_BF16=q.dtype == torch.bfloat16,
         num_warps=num_warps,

@@ -163,8 +163,9 @@ def l2norm(x, eps=L2NORM_EPS):
 
 
 def reference_forward(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                      use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-                      safe_gate=False, lower_bound=None, cu_seqlens=None, cu_seqlens_cpu=None, chunk_size=64,
+                      use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                      allow_neg_eigval=False, A_log=None, dt_bias=None, safe_gate=False, lower_bound=None,
+                      state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_size=64,
                       method="recurrent"):
     """kda_forward's arguments → float64 (o, final state or None). method="chunked" evaluates the
     chunked form instead of the token loop: equal to 1e-10 (tests/test_reference.py), far quicker
@@ -172,11 +173,22 @@ def reference_forward(q, k, v, g, beta, scale=None, initial_state=None, output_f
     sequence is evaluated on its own, from its own initial state."""
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
+    if use_beta_sigmoid_in_kernel:
+        beta = (2.0 if allow_neg_eigval else 1.0) * torch.sigmoid(beta.double())
+    if state_v_first and initial_state is not None:
+        initial_state = initial_state.transpose(-1, -2)
     a = activate_gate(g, A_log, dt_bias, lower_bound) if use_gate_in_kernel else g.double()
+    o, S = _sequences(q, k, v, a, beta, scale, initial_state, cu_seqlens, method)
+    if state_v_first:
+        S = S.transpose(-1, -2)
+    return o, (S if output_final_state else None)
+
+
+def _sequences(q, k, v, a, beta, scale, initial_state, cu_seqlens, method):
+    """o and the final states [N, HV, K, V] of the batch, or of each packed sequence on its own."""
     evaluate = {"recurrent": recurrent_kda, "chunked": chunked_kda}[method]
     if cu_seqlens is None:
-        o, S = evaluate(q, k, v, a, beta, scale, initial_state)
-        return o, (S if output_final_state else None)
+        return evaluate(q, k, v, a, beta, scale, initial_state)
     bounds = cu_seqlens.tolist()
     outs, states = [], []
     for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -188,4 +200,4 @@ def reference_forward(q, k, v, g, beta, scale=None, initial_state=None, output_f
         o, S = evaluate(*(x[:, bos:eos] for x in (q, k, v, a, beta)), scale, S0)
         outs.append(o)
         states.append(S)
-    return torch.cat(outs, dim=1), (torch.cat(states) if output_final_state else None)
+    return torch.cat(outs, dim=1), torch.cat(states)

@@ -5,8 +5,8 @@ Per (batch b, value head hv, block of BV value columns), chunk after chunk, carr
     O  = scale·(q ⊙ 2^Γ) S + Aqk V',   S ← Diag(2^Γ_last) S + (k ⊙ 2^(Γ_last − Γ))ᵀ V'
 Γ in log2 units; Γ_last is Γ at the chunk's last valid row. In: q, k [B, T, H, K] bf16/fp16/fp32 (rows
 L2-normalised here if asked); v [B, T, HV, V]; Γ [B, T, HV, K] fp32; Tm [B, T, HV, 64] (k's dtype);
-Aqk [B, T, HV, 64] (q's dtype, scale included); S0 [N, HV, K, V] fp32 or none. Out: o [B, T, HV, V] in
-v's dtype; S [N, HV, K, V] fp32. N sequences: the B entries, or with cu_seqlens [N + 1] the packed
+Aqk [B, T, HV, 64] (q's dtype, scale included); S0 [N, HV, K, V] fp32/bf16/fp16 or none. Out: o
+[B, T, HV, V] in v's dtype; S [N, HV, K, V] fp32; both states [N, HV, V, K] if asked (state_v_first). N sequences: the B entries, or with cu_seqlens [N + 1] the packed
 sequences of the one entry (B = 1), each read through a view of its own rows (kda_opt/seqs).
 Products take 16-bit operands (fp32 inputs: fp32) with fp32 accumulation. For bf16 inputs O's Aqk V'
 takes V' as hi + lo, which pays for stage 2's bf16 products (kda_opt/intra): o's error against
@@ -40,7 +40,7 @@ WORKER_WARPS = 8
 @ct.kernel(num_worker_warps=WORKER_WARPS)
 def wuso_kernel(Q, Kx, Vx, G, TM, AQK, S0, O, SF, CU, scale: float,
                 K: ConstInt, BV: ConstInt, C: ConstInt, HAS_S0: ConstBool, STORE_SF: ConstBool,
-                SPLIT_V: ConstBool, PACKED: ConstBool, L2NORM: ConstBool):
+                SPLIT_V: ConstBool, PACKED: ConstBool, L2NORM: ConstBool, V_FIRST: ConstBool):
     i_v, i_nh = ct.bid(0), ct.bid(1)
     H, HV = Q.shape[2], Vx.shape[2]
     i_n, i_hv = i_nh // HV, i_nh % HV                         # sequence, value head
@@ -66,8 +66,10 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, S0, O, SF, CU, scale: float,
         i_b = 0
     T = Q.shape[1]
     dt = Q.dtype                                              # mma operand dtype; fp32 stays fp32
+    # States [N, HV, K, V], or [N, HV, V, K] (V_FIRST): the tiles are [K, BV] either way.
+    state_order = (0, 1, 3, 2) if V_FIRST else (0, 1, 2, 3)
     if HAS_S0:
-        S = ct.load(S0, index=(i_n, i_hv, 0, i_v), shape=(1, 1, K, BV)).reshape((K, BV))
+        S = ct.load(S0, index=(i_n, i_hv, 0, i_v), shape=(1, 1, K, BV), order=state_order).reshape((K, BV)).astype(F32)
     else:
         S = ct.zeros((K, BV), dtype=F32)
     for i_t in range(ct.cdiv(T, C)):
@@ -110,7 +112,7 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, S0, O, SF, CU, scale: float,
         k_dec_t = ct.transpose(kf) * ct.exp2(g_last_t - ct.transpose(g), flush_to_zero=True)  # [K, C]
         S = ct.mma(k_dec_t.astype(dt), v_new, S * ct.exp2(g_last_t, flush_to_zero=True))     # [K, BV]
     if STORE_SF:
-        ct.store(SF, index=(i_n, i_hv, 0, i_v), tile=S.reshape((1, 1, K, BV)))
+        ct.store(SF, index=(i_n, i_hv, 0, i_v), tile=S.reshape((1, 1, K, BV)), order=state_order)
 
 
 def block_v_for(programs: int, V: int, sms: int, dtype: torch.dtype) -> int:
@@ -132,7 +134,7 @@ def _absent(device: torch.device, ndim: int, dtype: torch.dtype) -> torch.Tensor
 
 
 def launch_config(q, k, v, gcum, Tm, Aqk, scale, initial_state, o, final_state, block_v, chunk_size=64,
-                  cu_seqlens=None, l2norm=False):
+                  cu_seqlens=None, l2norm=False, state_v_first=False):
     """(grid, kernel arguments) of one launch: the one place both the launcher and the export test
     (tests/test_wuso.py, on meta tensors) take the kernel's specialisation from."""
     B, _, HV, V = v.shape
@@ -141,24 +143,29 @@ def launch_config(q, k, v, gcum, Tm, Aqk, scale, initial_state, o, final_state, 
     args = (q, k, v, gcum, Tm, Aqk, state(initial_state), o, state(final_state),
             _absent(v.device, 1, torch.int32) if cu_seqlens is None else cu_seqlens, float(scale),
             q.shape[-1], block_v, chunk_size, initial_state is not None, final_state is not None,
-            q.dtype == torch.bfloat16, cu_seqlens is not None, l2norm)
+            q.dtype == torch.bfloat16, cu_seqlens is not None, l2norm, state_v_first)
     return (V // block_v, N * HV, 1), args
 
 
 def wuso(q, k, v, gcum, Tm, Aqk, scale: float, initial_state=None, output_final_state=False,
-         chunk_size: int = 64, block_v: int | None = None, cu_seqlens=None, l2norm: bool = False):
+         chunk_size: int = 64, block_v: int | None = None, cu_seqlens=None, l2norm: bool = False,
+         state_v_first: bool = False):
     """Stage 4 on the current stream: o [B, T, HV, V] (v's dtype) and the final state [N, HV, K, V]
     fp32, or None unless output_final_state. Inputs as in the module docstring, contiguous (kda_forward
     validates them); cu_seqlens [N + 1] packs N sequences into the one batch entry. block_v: V columns
-    per program; None picks it with block_v_for. l2norm: q and k rows L2-normalised as they are read."""
+    per program; None picks it with block_v_for. l2norm: q and k rows L2-normalised as they are read.
+    state_v_first: the initial and final states are [N, HV, V, K]."""
     B, _, HV, V = v.shape
+    K = q.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     o = torch.empty_like(v)
-    final = v.new_empty((N, HV, q.shape[-1], V), dtype=torch.float32) if output_final_state else None
+    final = None
+    if output_final_state:
+        final = v.new_empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=torch.float32)
     if block_v is None:
         sms = torch.cuda.get_device_properties(v.device).multi_processor_count
         block_v = block_v_for(N * HV, V, sms, q.dtype)
     grid, args = launch_config(q, k, v, gcum, Tm, Aqk, scale, initial_state, o, final, block_v, chunk_size,
-                               cu_seqlens, l2norm)
+                               cu_seqlens, l2norm, state_v_first)
     ct.launch(torch.cuda.current_stream(), grid, wuso_kernel, args)
     return o, final

@@ -71,6 +71,12 @@ BAD_INPUTS = {
         cu_seqlens=torch.tensor([0, 5, 7]), cu_seqlens_cpu=torch.tensor([0, 5, 7]))),
     "cu_seqlens_cpu other length": (ValueError, "cu_seqlens_cpu", dict(
         cu_seqlens=torch.tensor([0, 5, 8]), cu_seqlens_cpu=torch.tensor([0, 8]))),
+    "allow_neg_eigval without beta logits": (ValueError, "use_beta_sigmoid_in_kernel", dict(allow_neg_eigval=True)),
+    "state_v_first and transpose_state_layout": (ValueError, "transpose_state_layout", dict(
+        state_v_first=True, transpose_state_layout=True)),
+    "initial_state float64": (TypeError, "initial_state", dict(initial_state=torch.zeros(1, 2, 64, 64, dtype=torch.float64))),
+    "initial_state K-first with state_v_first": (ValueError, "state_v_first", dict(
+        state_v_first=True, v=torch.randn(1, 8, 2, 128), initial_state=torch.zeros(1, 2, 64, 128))),
     "CPU tensors": (ValueError, "CUDA", dict()),
 }
 
@@ -80,6 +86,12 @@ def test_bad_input_raises(case):
     exc, words, over = BAD_INPUTS[case]
     with pytest.raises(exc, match=words):
         kda_forward(**cpu_args(**over))
+
+
+def test_transpose_state_layout_is_deprecated():
+    """FLA's old name still works, with a DeprecationWarning (the CPU tensors then stop the call)."""
+    with pytest.warns(DeprecationWarning, match="state_v_first"), pytest.raises(ValueError, match="CUDA"):
+        kda_forward(**cpu_args(transpose_state_layout=True))
 
 
 def test_options_after_output_final_state_are_keyword_only():
@@ -297,3 +309,51 @@ def test_forward_key_and_value_dims_differ(K, V):
     o, s = kda_forward(**args)
     assert o.shape == args["v"].shape and s.shape == (2, 4, K, V)
     assert rel_err(o, ref_o) <= 5e-3 and rel_err(s, ref_s) <= 5e-3
+
+
+# ---- GPU: FlashKDA's call (issue 10): beta as logits, negative eigenvalues, V-first states ----
+
+@gpu
+@pytest.mark.parametrize("neg_eigval", [False, True])
+@pytest.mark.parametrize("gate", ["safe", "softplus"])
+def test_forward_beta_logits(neg_eigval, gate):
+    """use_beta_sigmoid_in_kernel (and allow_neg_eigval, β in (0, 2)) against the float64
+    recurrence and FLA on the same logits: as accurate as FLA."""
+    args = random_inputs(2, 1000, 4, 128, gate=gate, initial_state=True, seed=21)
+    args.update(beta=(4 * args["beta"] - 2), use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg_eigval)
+    ref_o, ref_s = reference_forward(**args, method="chunked")
+    o, s = kda_forward(**args)
+    o_fla, s_fla = fla_chunk_kda()(**args)
+    assert rel_err(o, ref_o) <= rel_err(o_fla, ref_o) and rel_err(s, ref_s) <= rel_err(s_fla, ref_s)
+
+
+@gpu
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seqlens", [None, [1, 63, 64, 65, 333, 474]])
+def test_forward_state_v_first(state_dtype, seqlens):
+    """state_v_first: initial and final states [N, HV, V, K], the initial one in fp32 or bf16; the
+    same numbers as the K-first layout, transposed. K ≠ V, so a wrong layout cannot pass."""
+    B = 1 if seqlens else 2
+    args = random_inputs(B, 1000, 2, 128, V=64, HV=4, initial_state=True, seqlens=seqlens, seed=22)
+    args["initial_state"] = args["initial_state"].to(state_dtype)
+    o, s = kda_forward(**args)
+    h0_t = args["initial_state"].transpose(-1, -2).contiguous()
+    o_t, s_t = kda_forward(**{**args, "initial_state": h0_t}, state_v_first=True)
+    assert s_t.shape == (s.shape[0], 4, 64, 128) and s_t.dtype == torch.float32
+    assert torch.equal(o_t, o) and torch.equal(s_t.transpose(-1, -2), s)
+    ref_o, ref_s = reference_forward(**args, method="chunked")
+    assert rel_err(o, ref_o) <= 5e-3 and rel_err(s, ref_s) <= 5e-3
+
+
+@gpu
+def test_forward_flashkda_configuration_matches_fla():
+    """FlashKDA's whole configuration at once (K = V = 128, safe gate, q/k l2norm and beta sigmoid in
+    kernel, V-first states) against FLA given the same arguments, and as accurate."""
+    args = random_inputs(1, 1000, 4, 128, l2norm=True, initial_state=True, seed=23)
+    args.update(beta=4 * args["beta"] - 2, use_beta_sigmoid_in_kernel=True, state_v_first=True,
+                initial_state=args["initial_state"].transpose(-1, -2).contiguous())
+    ref_o, ref_s = reference_forward(**args, method="chunked")
+    o, s = kda_forward(**args)
+    o_fla, s_fla = fla_chunk_kda()(**args)
+    assert rel_err(o, o_fla) < 1e-2 and rel_err(s, s_fla) < 1e-2
+    assert rel_err(o, ref_o) <= rel_err(o_fla, ref_o) and rel_err(s, ref_s) <= rel_err(s_fla, ref_s)

@@ -102,6 +102,17 @@ def test_intra_l2norm():
     assert rel_err(Aqk, Aqk_n) < 2e-6 and rel_err(Tm, Tm_n) < 2e-6
 
 
+@pytest.mark.parametrize("scale", [1.0, 2.0])
+def test_intra_beta_logits(scale):
+    """beta given as logits (use_beta_sigmoid_in_kernel; 2·sigmoid with allow_neg_eigval): the same
+    matrices as β = scale · sigmoid(beta) passed in."""
+    x = stage_inputs(2, 130, 1, 64, HV=2, gate="softplus", device=kernel_device(), seed=13)
+    logits = 4 * x["beta"] - 2
+    Aqk, Tm = intra_chunk(x["q"], x["k"], x["gcum"], logits, 0.125, beta_sigmoid=scale)
+    Aqk_b, Tm_b = intra_chunk(x["q"], x["k"], x["gcum"], scale * torch.sigmoid(logits), 0.125)
+    assert rel_err(Aqk, Aqk_b) < 2e-6 and rel_err(Tm, Tm_b) < 2e-6
+
+
 @pytest.mark.parametrize("gate", ["safe", "softplus"])
 @pytest.mark.parametrize("B,T,H,HV", [(1, 1, 1, 1), (2, 1, 1, 2), (2, 63, 1, 1), (1, 63, 2, 4), (1, 64, 1, 2),
                                       (2, 64, 2, 2), (1, 65, 2, 2), (2, 65, 1, 2), (1, 130, 1, 2), (2, 130, 2, 2)])

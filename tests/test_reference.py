@@ -157,3 +157,17 @@ def test_l2norm_in_kernel_is_normalising_before():
               **{n: args[n] / (args[n].double().square().sum(-1, keepdim=True) + 1e-6).sqrt() for n in ("q", "k")}}
     assert rel_err(ref.reference_forward(**normed)[0], o) < 1e-12
     assert rel_err(ref.reference_forward(**{**args, "use_qk_l2norm_in_kernel": False})[0], o) > 1e-2
+
+
+@pytest.mark.parametrize("neg_eigval", [False, True])
+def test_beta_logits_and_state_layout(neg_eigval):
+    """use_beta_sigmoid_in_kernel / allow_neg_eigval: β = (1 or 2)·sigmoid(beta); state_v_first: the
+    states transposed, [N, HV, V, K], on the way in and out."""
+    from kda_opt.inputs import random_inputs
+    args = random_inputs(2, 30, 2, 16, V=8, dtype=torch.float32, device="cpu", initial_state=True)
+    o, s = ref.reference_forward(**args)
+    logits = torch.logit(args["beta"].double() / (2.0 if neg_eigval else 1.0))
+    o2, s2 = ref.reference_forward(**{**args, "beta": logits, "initial_state": args["initial_state"].transpose(-1, -2)},
+                                   use_beta_sigmoid_in_kernel=True, allow_neg_eigval=neg_eigval, state_v_first=True)
+    assert s2.shape == (2, 2, 8, 16)
+    assert rel_err(o2, o) < 1e-12 and rel_err(s2.transpose(-1, -2), s) < 1e-12

@@ -40,19 +40,21 @@ def constraint(arg):
     return ScalarConstraint(ct.float32) if isinstance(arg, float) else arg
 
 
-def cubin(dtype, K, has_state, store_state, block_v=None, B=1, T=8192, H=96, seqs=None, l2norm=False):
+def cubin(dtype, K, has_state, store_state, block_v=None, B=1, T=8192, H=96, seqs=None, l2norm=False,
+          state_v_first=False, state_dtype=torch.float32):
     """The launcher's specialisation (launch_config on meta tensors of the SPEC §5 default shape),
     compiled for sm_90; block_v None takes the launcher's choice on an H100. seqs: (N, cu_seqlens
-    dtype) packs N sequences into the one batch entry (B = 1)."""
+    dtype) packs N sequences into the one batch entry (B = 1). state_dtype: the initial state's."""
     meta = lambda *shape, dt=dtype: torch.empty(*shape, dtype=dt, device="meta")
     q, k, v, o = (meta(B, T, H, K) for _ in range(4))
     cu_seqlens = None if seqs is None else meta(seqs[0] + 1, dt=seqs[1])
     N = B if seqs is None else seqs[0]
-    gcum, state = meta(B, T, H, K, dt=torch.float32), meta(N, H, K, K, dt=torch.float32)
+    gcum = meta(B, T, H, K, dt=torch.float32)
     block_v = block_v or block_v_for(N * H, K, H100_SMS, dtype)
     _, args = launch_config(q, k, v, gcum, meta(B, T, H, 64), meta(B, T, H, 64), K ** -0.5,
-                            state if has_state else None, o, state if store_state else None, block_v,
-                            cu_seqlens=cu_seqlens, l2norm=l2norm)
+                            meta(N, H, K, K, dt=state_dtype) if has_state else None, o,
+                            meta(N, H, K, K, dt=torch.float32) if store_state else None, block_v,
+                            cu_seqlens=cu_seqlens, l2norm=l2norm, state_v_first=state_v_first)
     signature = KernelSignature([constraint(a) for a in args], CallingConvention.cutile_python_v2())
     buf = io.BytesIO()
     export_kernel(wuso_kernel, [signature], buf, gpu_code="sm_90", output_format="cubin")
@@ -92,6 +94,13 @@ def test_exports_l2norm_fixed_length():
     assert_kernel_cubin(cubin(torch.bfloat16, 128, True, True, l2norm=True))
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_exports_state_layouts_and_dtypes(state_dtype):
+    """States V before K (state_v_first), the initial state in bf16."""
+    assert_kernel_cubin(cubin(torch.bfloat16, 128, True, True, state_v_first=True, state_dtype=state_dtype))
+    assert_kernel_cubin(cubin(torch.bfloat16, 128, True, False, state_dtype=state_dtype))
+
+
 def test_block_v_fills_one_wave():
     assert block_v_for(96, 128, H100_SMS, torch.bfloat16) == 128    # 96 programs
     assert block_v_for(48, 128, H100_SMS, torch.bfloat16) == 64     # 96 programs, not 48
@@ -101,9 +110,10 @@ def test_block_v_fills_one_wave():
     assert block_v_for(96, 128, H100_SMS, torch.float32) == 32
 
 
-def stage4_case(B, T, H, HV, K, dtype, with_state, gate="safe", seed=0, V=None):
-    """The kernel's inputs (Γ / ln 2 fp32, Tm in k's dtype, Aqk in q's dtype), the initial state or
-    None, and the float64 state pass on the same q, k, v, Γ and the unrounded Tm, Aqk."""
+def stage4_case(B, T, H, HV, K, dtype, with_state, gate="safe", seed=0, V=None, state_dtype=torch.float32):
+    """The kernel's inputs (Γ / ln 2 fp32, Tm in k's dtype, Aqk in q's dtype), the initial state (in
+    state_dtype) or None, and the float64 state pass on the same q, k, v, Γ, initial state and the
+    unrounded Tm, Aqk."""
     V = V or K
     x = stage_inputs(B, T, H, K, V=V, HV=HV, gate=gate, dtype=dtype, device="cuda", seed=seed)
     scale = K ** -0.5
@@ -111,22 +121,24 @@ def stage4_case(B, T, H, HV, K, dtype, with_state, gate="safe", seed=0, V=None):
     Tm = ref.solve(Akk, x["beta"])
     W, U = ref.wu(Tm, x["k"], x["v"], x["gamma"])
     gen = torch.Generator().manual_seed(seed + 1)
-    h0 = torch.randn(B, HV, K, V, generator=gen).cuda() if with_state else None
+    h0 = torch.randn(B, HV, K, V, generator=gen).to("cuda", state_dtype) if with_state else None
     ref_o, ref_s = ref.state_pass(x["q"], x["k"], W, U, Aqk, x["gamma"], scale, h0)
     inputs = (x["q"], x["k"], x["v"], x["gcum"], Tm.to(dtype), Aqk.to(dtype), scale)
     return inputs, h0, ref_o, ref_s
 
 
-def run_poisoned(inputs, h0, block_v=None, cu_seqlens=None, l2norm=False):
+def run_poisoned(inputs, h0, block_v=None, cu_seqlens=None, l2norm=False, state_v_first=False):
     """One launch into NaN-filled o and final state, so that any element the kernel skips fails."""
     q, v = inputs[0], inputs[2]
     B, _, HV, V = v.shape
+    K = q.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     block_v = block_v or block_v_for(N * HV, V, torch.cuda.get_device_properties(v.device).multi_processor_count,
                                      q.dtype)
     o = torch.full_like(v, float("nan"))
-    final = torch.full((N, HV, q.shape[-1], V), float("nan"), device=v.device)
-    grid, args = launch_config(*inputs, h0, o, final, block_v, cu_seqlens=cu_seqlens, l2norm=l2norm)
+    final = torch.full((N, HV, V, K) if state_v_first else (N, HV, K, V), float("nan"), device=v.device)
+    grid, args = launch_config(*inputs, h0, o, final, block_v, cu_seqlens=cu_seqlens, l2norm=l2norm,
+                               state_v_first=state_v_first)
     ct.launch(torch.cuda.current_stream(), grid, wuso_kernel, args)
     return o, final
 
@@ -217,4 +229,18 @@ def packed_case(lens, H, HV, K, with_state, l2norm, seed=0):
 def test_wuso_packed(lens, with_state, l2norm):
     inputs, h0, cu, ref_o, ref_s = packed_case(lens, 2, 4, 128, with_state, l2norm, seed=len(lens))
     o, s = run_poisoned(inputs, h0, cu_seqlens=cu, l2norm=l2norm)
+    assert rel_err(o, ref_o) < 1e-2 and rel_err(s, ref_s) < 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_wuso_state_layout_and_dtype(state_dtype, state_v_first):
+    """The initial state read as it comes (bf16 too), both states [N, HV, V, K] with state_v_first;
+    K ≠ V, so that a transposed access cannot pass by symmetry."""
+    inputs, h0, ref_o, ref_s = stage4_case(2, 130, 2, 4, 128, torch.bfloat16, True, V=64, state_dtype=state_dtype)
+    o, s = run_poisoned(inputs, h0.transpose(-1, -2).contiguous() if state_v_first else h0,
+                        state_v_first=state_v_first)
+    if state_v_first:
+        s = s.transpose(-1, -2)
     assert rel_err(o, ref_o) < 1e-2 and rel_err(s, ref_s) < 1e-2
