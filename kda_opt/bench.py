@@ -1,17 +1,18 @@
-"""Correctness checks and benchmark of kda_forward against FLA chunk_kda and the float64 recurrence.
+"""Correctness checks and benchmark of kda_forward against FLA chunk_kda (and FlashKDA, where it runs)
+and the float64 recurrence.
 
 Entry points: `python scripts/test.py ...` and `python -m kda_opt.bench ...` (same options).
-    --test naive      kda_forward vs the float64 recurrence (relative errors of o and final state)
-    --test fla        kda_forward vs FLA chunk_kda on the full shape, with both errors vs float64
-    --test benchmark  FLA and kda_forward on the same inputs, alternating, medians of do_bench
-    --test all        the three above (default); --sweep runs the SPEC §5 sweep instead
+    --test naive      kda_forward vs the float64 recurrence (relative errors of o and final state),
+                      FLA's and FlashKDA's errors beside
+    --test fla        kda_forward vs FLA chunk_kda on the full shape
+    --test benchmark  FLA, FlashKDA and kda_forward on the same inputs, alternating, medians of do_bench
+    --test all        the three above (default); --sweep runs the sweep instead
 Exit code: 0 when every check passes, 1 when a correctness check fails, 2 when the machine cannot
 run the request (no GPU, no fla-core).
 """
 import argparse
 import csv
 import dataclasses
-import importlib.util
 import itertools
 import math
 import os
@@ -19,22 +20,31 @@ import sys
 
 import torch
 
+from . import peers
 from .inputs import random_inputs
 from .reference import rel_err
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Call configurations: how random_inputs draws the arguments every system gets.
+CONFIGS = {
+    "default": {},
+    "l2norm": dict(l2norm=True),                                            # Kimi-Linear's layer
+    "flashkda": dict(l2norm=True, beta_logits=True, state_v_first=True),    # FlashKDA's only one
+}
 # SPEC §5: the correctness bound is max(2 × FLA's error, ERROR_FLOOR).
 ERROR_FLOOR = 5e-3
 # The float64 recurrence walks T token by token over [B, HV, K, V] float64 states: keep it under
 # this many state elements × tokens (about a second on an H100) by trimming T, and say so.
 NAIVE_BUDGET = 2 ** 33
-# SPEC §5 sweep: (B, T, H) at K = V = 128, each with the safe and the softplus gate.
+# The sweep, K = V = 128, each row in every gate mode: (B, T, H) of SPEC §5 and §7; then packed
+# sequences at T ≈ 8192 per sequence: issue 8's mix (NUM_SEQS lengths uniform in [MIN_SEQ_LEN, 8192],
+# seed 0) at H = 32, and SPEC §7's two mixes at H = 96; then, in the default configuration, the
+# default shape with q/k l2norm.
 SWEEP_SHAPES = list(dict.fromkeys([(1, 8192, 96), (1, 2048, 16), (8, 4096, 32), (1, 32768, 32),
-                                   (2, 16384, 64)] + [(1, 1024 * 2 ** i, 32) for i in range(7)]))
-# The serving rows of the sweep (issue 8), each gate mode too: the varlen mix at H = 32 (NUM_SEQS
-# sequences, lengths uniform in [MIN_SEQ_LEN, 8192], seed 0) and the default shape with q/k l2norm.
+                                   (2, 16384, 64), (1, 8192, 64), (1, 65536, 16)]
+                                  + [(1, 1024 * 2 ** i, 32) for i in range(7)]))
 MIN_SEQ_LEN, NUM_SEQS = 64, 64
-SWEEP_SERVING = [dict(H=32, varlen=True), dict(H=96, l2norm=True)]
+SWEEP_PACKED = [("drawn", 32), ((1300, 547, 2048, 963, 271, 3063), 96), ((1024,) * 8, 96)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,18 +58,20 @@ class Case:
     dtype: torch.dtype
     seed: int
     seqlens: tuple | None = None   # sequences packed along T (cu_seqlens; B = 1)
-    l2norm: bool = False           # use_qk_l2norm_in_kernel
+    config: str = "default"        # a key of CONFIGS
 
     @property
     def label(self):
-        extra = (f" varlen({len(self.seqlens)} seqs)" if self.seqlens else "") + (" l2norm" if self.l2norm else "")
+        extra = (f" varlen({len(self.seqlens)} seqs)" if self.seqlens else "")
+        extra += f" {self.config}" if self.config != "default" else ""
         return f"B={self.B} T={self.T} H={self.H} K=V={self.K} {self.gate}{extra}"
 
     @property
     def tag(self):
-        """The case in file names: b1_t8192_h96_k128_safe[_varlen64][_l2norm]."""
+        """The case in file names: b1_t8192_h96_k128_safe[_varlen64][_config]."""
         return (f"b{self.B}_t{self.T}_h{self.H}_k{self.K}_{self.gate}"
-                + (f"_varlen{len(self.seqlens)}" if self.seqlens else "") + ("_l2norm" if self.l2norm else ""))
+                + (f"_varlen{len(self.seqlens)}" if self.seqlens else "")
+                + (f"_{self.config}" if self.config != "default" else ""))
 
     def trimmed(self, T):
         """The case cut to its first T tokens (packed: the first sequences, the last one cut)."""
@@ -73,7 +85,7 @@ class Case:
 
     def inputs(self, **kw):
         args = random_inputs(self.B, self.T, self.H, self.K, gate=self.gate, dtype=self.dtype, seed=self.seed,
-                             seqlens=self.seqlens, l2norm=self.l2norm, **kw)
+                             seqlens=self.seqlens, **CONFIGS[self.config], **kw)
         if "lower_bound" in args:
             args["lower_bound"] = self.lower_bound
         return args
@@ -99,15 +111,18 @@ def parse_args(argv=None):
     p.add_argument("--num-seqs", type=int, default=NUM_SEQS, help="sequences of --varlen")
     p.add_argument("--seq-lens", type=lambda t: tuple(int(x) for x in t.split(",")),
                    help="pack sequences of exactly these lengths, e.g. 1300,547,2048 (implies --varlen)")
-    p.add_argument("--l2norm", action="store_true", help="q and k L2-normalised in kernel (use_qk_l2norm_in_kernel)")
+    p.add_argument("--config", choices=list(CONFIGS), default="default",
+                   help="the call every system gets: default; l2norm (q/k l2norm in kernel); flashkda "
+                        "(FlashKDA's: l2norm, beta logits, V-first states; safe gate, K = V = 128, bf16)")
+    p.add_argument("--l2norm", dest="config", action="store_const", const="l2norm", help="--config l2norm")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms")
-    p.add_argument("--sweep", action="store_true", help="SPEC §5 sweep → profiles/benchmark_<gpu>.csv/.png")
-    p.add_argument("--sweep-gates", default="safe,softplus",
-                   help="gate modes the sweep runs; its rows replace those of the same shape and mode "
-                        "in an existing CSV, so a sweep can be run in parts")
+    p.add_argument("--sweep", action="store_true", help="the sweep → profiles/benchmark_<gpu>.csv/.png")
+    p.add_argument("--sweep-gates", help="gate modes the sweep runs (default safe,softplus; safe with "
+                                         "--config flashkda); its rows replace those of the same case "
+                                         "in an existing CSV, so a sweep can be run in parts")
     p.add_argument("--out-dir", default="profiles", help="where --sweep writes its CSV and PNG")
     args = p.parse_args(argv)
     if args.chunk_size != 64:
@@ -118,16 +133,17 @@ def parse_args(argv=None):
         p.error("--seq-lens: every length must be ≥ 1")
     if args.varlen and not args.seq_lens and (args.num_seqs < 1 or args.seq_len < MIN_SEQ_LEN):
         p.error(f"--varlen needs --num-seqs ≥ 1 and --seq-len ≥ {MIN_SEQ_LEN}")
+    args.sweep_gates = args.sweep_gates or ("safe" if args.config == "flashkda" else "safe,softplus")
+    if args.config == "flashkda":
+        unfit = [flag for flag, bad in (("--no-gate-in-kernel", not args.gate_in_kernel),
+                                        ("--no-safe-gate", not args.safe_gate),
+                                        ("--head-dim other than 128", args.head_dim != 128),
+                                        ("--dtype other than bf16", args.dtype != "bf16"),
+                                        ("--sweep-gates other than safe", args.sweep_gates != "safe")) if bad]
+        if unfit:
+            p.error(f"--config flashkda is FlashKDA's one configuration (safe gate in kernel, K = V = 128, "
+                    f"bf16): not with {', '.join(unfit)}")
     return args
-
-
-def sweep_cases(args):
-    """SPEC §5's shapes, then the serving rows, for each gate mode of --sweep-gates."""
-    gates = args.sweep_gates.split(",")
-    cases = [case_from_args(args, B, T, H, gate, varlen=False, l2norm=False)
-             for gate in gates for B, T, H in SWEEP_SHAPES]
-    return cases + [case_from_args(args, 1, 8192, row["H"], gate, varlen=row.get("varlen", False),
-                                   l2norm=row.get("l2norm", False)) for gate in gates for row in SWEEP_SERVING]
 
 
 def varlen_lengths(num_seqs, max_len, seed):
@@ -136,19 +152,32 @@ def varlen_lengths(num_seqs, max_len, seed):
     return tuple(torch.randint(MIN_SEQ_LEN, max_len + 1, (num_seqs,), generator=gen).tolist())
 
 
-def case_from_args(args, B=None, T=None, H=None, gate=None, varlen=None, l2norm=None):
-    """The case the options describe; the keywords override them (the sweep's rows)."""
+def case_from_args(args, B=None, T=None, H=None, gate=None):
+    """The case the options describe; the keywords override them."""
     if gate is None:
         gate = "preactivated" if not args.gate_in_kernel else "safe" if args.safe_gate else "softplus"
     T = T or args.seq_len
-    if varlen is None:  # as the options say
-        seqlens = args.seq_lens or (varlen_lengths(args.num_seqs, T, args.seed) if args.varlen else None)
-    else:
-        seqlens = varlen_lengths(args.num_seqs, T, args.seed) if varlen else None
+    seqlens = args.seq_lens or (varlen_lengths(args.num_seqs, T, args.seed) if args.varlen else None)
     if seqlens:
         B, T = 1, sum(seqlens)
     return Case(B or args.batch_size, T, H or args.num_heads, args.head_dim, gate, args.lower_bound,
-                DTYPES[args.dtype], args.seed, seqlens, args.l2norm if l2norm is None else l2norm)
+                DTYPES[args.dtype], args.seed, seqlens, args.config)
+
+
+def sweep_cases(args):
+    """The sweep's rows (SWEEP_SHAPES, SWEEP_PACKED, the l2norm row) in --config, per gate mode."""
+    base = Case(1, 8192, 96, args.head_dim, "safe", args.lower_bound, DTYPES[args.dtype], args.seed,
+                config=args.config)
+    cases = []
+    for gate in args.sweep_gates.split(","):
+        at = lambda **kw: dataclasses.replace(base, gate=gate, **kw)
+        cases += [at(B=B, T=T, H=H) for B, T, H in SWEEP_SHAPES]
+        for lens, H in SWEEP_PACKED:
+            lens = varlen_lengths(NUM_SEQS, 8192, args.seed) if lens == "drawn" else lens
+            cases.append(at(T=sum(lens), H=H, seqlens=lens))
+        if args.config == "default":
+            cases.append(at(config="l2norm"))
+    return cases
 
 
 # ---- floors: the fewest bytes and FLOPs the forward needs ----
@@ -189,7 +218,8 @@ def naive_T(c: Case) -> int:
 
 
 def check_naive(c: Case, fla=None):
-    """Errors of kda_forward (and FLA's, when given) against the float64 recurrence."""
+    """Errors of kda_forward (and FLA's, when given, and FlashKDA's, where it runs) against the
+    float64 recurrence; the bound is FLA's."""
     from . import kda_forward
     from .reference import reference_forward
     T = naive_T(c)
@@ -197,17 +227,18 @@ def check_naive(c: Case, fla=None):
         print(f"  naive: T trimmed from {c.T} to {T} to keep the float64 recurrence quick")
     args = c.trimmed(T).inputs(initial_state=True)
     ref_o, ref_s = reference_forward(**args)
-    o, s = kda_forward(**args)
-    row = {"o": rel_err(o, ref_o), "state": rel_err(s, ref_s)}
+    errors = lambda o, s: (rel_err(o, ref_o), rel_err(s, ref_s))
+    row = dict(zip(("o", "state"), errors(*kda_forward(**args))))
+    text = f"  naive (T={T}): o {row['o']:.2e}  state {row['state']:.2e}"
     if fla is not None:
-        fo, fs = fla(**args)
-        row.update(fla_o=rel_err(fo, ref_o), fla_state=rel_err(fs, ref_s))
+        row.update(zip(("fla_o", "fla_state"), errors(*fla(**args))))
+        text += f"   | FLA: o {row['fla_o']:.2e}  state {row['fla_state']:.2e}"
+    flashkda, why_not = peers.flashkda(args)
+    text += (f"   | FlashKDA: o {{:.2e}}  state {{:.2e}}".format(*errors(*flashkda())) if flashkda
+             else f"   | FlashKDA: n/a ({why_not})")
     del ref_o, ref_s
     bound = lambda key: max(2 * row.get("fla_" + key, 0.0), ERROR_FLOOR)
     ok = row["o"] <= bound("o") and row["state"] <= bound("state")
-    text = f"  naive (T={T}): o {row['o']:.2e}  state {row['state']:.2e}"
-    if fla is not None:
-        text += f"   | FLA: o {row['fla_o']:.2e}  state {row['fla_state']:.2e}"
     print(f"{text}   bound max(2×FLA, {ERROR_FLOOR:g}) → {'PASS' if ok else 'FAIL'}")
     return ok
 
@@ -224,12 +255,19 @@ def check_fla(c: Case, fla):
     return ok
 
 
+NOT_RUN = "n/a"  # the FlashKDA columns where it cannot compute the case
+
+
 def benchmark(c: Case, fla, warmup, rep, ceilings):
-    """Median ms of FLA and kda_forward on the same inputs, alternating; returns a CSV row."""
+    """Median ms of FLA, FlashKDA (where it runs) and kda_forward on the same inputs, alternating;
+    returns a CSV row."""
     from triton.testing import do_bench
     from . import kda_forward
     args = c.inputs()
     runs = {"fla": lambda: fla(**args), "kda_opt": lambda: kda_forward(**args)}
+    flashkda, why_not = peers.flashkda(args)
+    if flashkda:
+        runs["flashkda"] = flashkda
     for f in runs.values():  # JIT and FLA's autotuning stay out of the timings
         f()
     torch.cuda.synchronize()
@@ -237,28 +275,40 @@ def benchmark(c: Case, fla, warmup, rep, ceilings):
     for _ in range(3):
         for name, f in runs.items():
             times[name].append(do_bench(f, warmup=warmup, rep=rep, return_mode="median"))
-    fla_ms, ours_ms = (sorted(times[n])[1] for n in runs)
+    ms = {name: sorted(t)[1] for name, t in times.items()}
+    ours_ms = ms["kda_opt"]
     bw, rate = ceilings
     nbytes, flops = min_bytes(c), min_flops(c)
-    row = dict(B=c.B, T=c.T, H=c.H, K=c.K, V=c.K, mode=c.gate, varlen=len(c.seqlens or ()), l2norm=int(c.l2norm),
-               fla_ms=fla_ms, kda_opt_ms=ours_ms,
-               speedup=fla_ms / ours_ms, tbps=nbytes / (ours_ms * 1e-3) / 1e12,
-               tflops=flops / (ours_ms * 1e-3) / 1e12,
+    row = dict(B=c.B, T=c.T, H=c.H, K=c.K, V=c.K, mode=c.gate, varlen=len(c.seqlens or ()), config=c.config,
+               fla_ms=ms["fla"], kda_opt_ms=ours_ms, speedup=ms["fla"] / ours_ms,
+               flashkda_ms=ms.get("flashkda", NOT_RUN),
+               speedup_vs_flashkda=ms["flashkda"] / ours_ms if flashkda else NOT_RUN,
+               tbps=nbytes / (ours_ms * 1e-3) / 1e12, tflops=flops / (ours_ms * 1e-3) / 1e12,
                bytes_floor_pct=100 * nbytes / bw / (ours_ms * 1e-3),
-               flops_floor_pct=100 * flops / rate / (ours_ms * 1e-3))
-    print(f"  {c.label}: FLA {fla_ms:.3f} ms  kda_opt {ours_ms:.3f} ms  speedup {row['speedup']:.2f}×  "
-          f"{row['tbps']:.2f} TB/s ({row['bytes_floor_pct']:.0f}% of bytes floor)  "
+               flops_floor_pct=100 * flops / rate / (ours_ms * 1e-3),
+               fla_flash_kda=os.environ.get("FLA_FLASH_KDA", ""))
+    peer = (f"FlashKDA {ms['flashkda']:.3f} ms ({row['speedup_vs_flashkda']:.2f}×)" if flashkda
+            else f"FlashKDA n/a ({why_not})")
+    print(f"  {c.label}: FLA {ms['fla']:.3f} ms  kda_opt {ours_ms:.3f} ms  speedup {row['speedup']:.2f}×  "
+          f"{peer}  {row['tbps']:.2f} TB/s ({row['bytes_floor_pct']:.0f}% of bytes floor)  "
           f"{row['tflops']:.0f} TFLOP/s ({row['flops_floor_pct']:.0f}% of FLOP floor)")
     return row
 
 
 # ---- sweep output ----
 
-# varlen: sequences packed along T (0: a fixed-length batch of B); l2norm: 1 with q/k l2norm in kernel.
-CSV_FIELDS = ["B", "T", "H", "K", "V", "mode", "varlen", "l2norm", "fla_ms", "kda_opt_ms", "speedup", "tbps",
-              "tflops", "bytes_floor_pct", "flops_floor_pct"]
-ROW_KEY = ("B", "T", "H", "K", "mode", "varlen", "l2norm")
-ROW_DEFAULTS = {"varlen": 0, "l2norm": 0}  # rows of CSVs written before these columns existed
+# varlen: sequences packed along T (0: a fixed-length batch of B); config: a key of CONFIGS;
+# flashkda_ms / speedup_vs_flashkda: NOT_RUN where FlashKDA cannot compute the case; fla_flash_kda:
+# FLA_FLASH_KDA as FLA saw it ("0": FLA on its own Triton path).
+CSV_FIELDS = ["B", "T", "H", "K", "V", "mode", "varlen", "config", "fla_ms", "kda_opt_ms", "speedup",
+              "flashkda_ms", "speedup_vs_flashkda", "tbps", "tflops", "bytes_floor_pct", "flops_floor_pct",
+              "fla_flash_kda"]
+ROW_KEY = ("B", "T", "H", "K", "mode", "varlen", "config")
+# Rows of CSVs written before these columns existed: fixed-length batches in the default
+# configuration, FlashKDA not timed, FLA on its Triton path (the CLI has set FLA_FLASH_KDA=0 since its
+# first version).
+ROW_DEFAULTS = {"varlen": 0, "config": "default", "flashkda_ms": NOT_RUN, "speedup_vs_flashkda": NOT_RUN,
+                "fla_flash_kda": "0"}
 
 
 def read_csv(path):
@@ -271,11 +321,11 @@ def read_csv(path):
 
 
 def merge_rows(old, new):
-    """old rows with those of the same case replaced by new ones, sorted by mode, varlen, l2norm, H, B, T."""
+    """old rows with those of the same case replaced by new ones, sorted by config, mode, varlen, H, B, T."""
     key = lambda r: tuple(r[k] for k in ROW_KEY)
     merged = {key(r): r for r in ({**ROW_DEFAULTS, **r} for r in old)}
     merged.update({key(r): r for r in ({**ROW_DEFAULTS, **r} for r in new)})
-    return sorted(merged.values(), key=lambda r: (r["mode"], r["varlen"], r["l2norm"], r["H"], r["B"], r["T"]))
+    return sorted(merged.values(), key=lambda r: (r["config"], r["mode"], r["varlen"], r["H"], r["B"], r["T"]))
 
 
 def write_csv(rows, path):
@@ -286,23 +336,27 @@ def write_csv(rows, path):
             w.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in {**ROW_DEFAULTS, **r}.items()})
 
 
-def write_plot(rows, path, title):
-    """ms vs T at H=32 for both systems and gate modes, speedup on a second axis."""
+def write_plot(rows, path, title, config="default"):
+    """ms vs T at H=32 (B=1, fixed length) in one configuration, for every system timed and both gate
+    modes, speedup over FLA on a second axis."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4), dpi=80)
     ax2 = ax.twinx()
     for mode, style in (("safe", "-"), ("softplus", "--")):
-        pts = sorted((r["T"], r) for r in rows
-                     if r["mode"] == mode and r["H"] == 32 and r["B"] == 1 and not r.get("varlen") and not r.get("l2norm"))
+        pts = sorted((r["T"], r) for r in ({**ROW_DEFAULTS, **r} for r in rows)
+                     if r["mode"] == mode and r["H"] == 32 and r["B"] == 1 and not r["varlen"] and r["config"] == config)
         if not pts:
             continue
         Ts = [t for t, _ in pts]
         ax.plot(Ts, [r["fla_ms"] for _, r in pts], "o" + style, color="tab:gray", label=f"FLA ({mode})")
         ax.plot(Ts, [r["kda_opt_ms"] for _, r in pts], "o" + style, color="tab:blue", label=f"kda_opt ({mode})")
+        peer = [(t, r["flashkda_ms"]) for t, r in pts if r["flashkda_ms"] != NOT_RUN]
+        if peer:
+            ax.plot(*zip(*peer), "s" + style, color="tab:red", label=f"FlashKDA ({mode})")
         ax2.plot(Ts, [r["speedup"] for _, r in pts], "x" + style, color="tab:green", label=f"speedup ({mode})")
-    ax.set(xscale="log", yscale="log", xlabel="T (B=1, H=32, K=V=128)", ylabel="ms", title=title)
+    ax.set(xscale="log", yscale="log", xlabel=f"T (B=1, H=32, K=V=128, {config})", ylabel="ms", title=title)
     ax2.set_ylabel("speedup over FLA", color="tab:green")
     if ax.lines:  # an early partial sweep may have no H=32 rows yet
         ax.legend(loc="upper left", fontsize=7)
@@ -327,13 +381,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         return refuse("needs a CUDA GPU (none found); the CPU test suite is `bash scripts/check.sh`")
-    needs_fla = args.sweep or args.test in ("fla", "benchmark", "all")
-    if needs_fla and importlib.util.find_spec("fla") is None:
+    fla = peers.fla_chunk_kda()
+    if fla is None and (args.sweep or args.test in ("fla", "benchmark", "all")):
         return refuse(f"--test {args.test} needs fla-core (pip install 'kda-opt[bench]')")
-    fla = None
-    if importlib.util.find_spec("fla") is not None:
-        os.environ.setdefault("FLA_FLASH_KDA", "0")  # keep FLA on its own Triton path
-        from fla.ops.kda import chunk_kda as fla
     from triton import __version__ as triton_version
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton_version}, "
           f"FLA_FLASH_KDA={os.environ.get('FLA_FLASH_KDA')}")
@@ -344,14 +394,15 @@ def main(argv=None) -> int:
         cases = sweep_cases(args)
         os.makedirs(args.out_dir, exist_ok=True)
         base = os.path.join(args.out_dir, f"benchmark_{gpu_tag()}")
+        png = base + ("" if args.config == "default" else f"_{args.config}") + ".png"
         rows = read_csv(base + ".csv")
         for i, c in enumerate(cases, 1):
             print(f"[{i}/{len(cases)}] {c.label}", flush=True)
             rows = merge_rows(rows, [benchmark(c, fla, args.warmup, args.rep, ceilings)])
-            # After every shape, so that an interrupted sweep keeps what it measured.
+            # After every case, so that an interrupted sweep keeps what it measured.
             write_csv(rows, base + ".csv")
-            write_plot(rows, base + ".png", f"kda_opt vs FLA chunk_kda, {torch.cuda.get_device_name()}")
-        print(f"wrote {base}.csv and {base}.png")
+            write_plot(rows, png, f"kda_opt vs FLA chunk_kda, {torch.cuda.get_device_name()}", args.config)
+        print(f"wrote {base}.csv and {png}")
         print_table(rows)
         return 0
 
@@ -367,12 +418,14 @@ def main(argv=None) -> int:
 
 
 def print_table(rows):
-    print(f"\n{'B':>2} {'T':>6} {'H':>3} {'mode':>8} {'varlen':>6} {'l2':>2} {'FLA ms':>8} {'ours ms':>8} "
-          f"{'speedup':>7} {'TB/s':>5} {'TFLOP/s':>7}")
+    fmt = lambda v, spec, unit="": format(v, spec) + unit if isinstance(v, float) else f"{v:>{spec.split('.')[0]}}" + " " * len(unit)
+    print(f"\n{'B':>2} {'T':>6} {'H':>3} {'mode':>8} {'varlen':>6} {'config':>8} {'FLA ms':>8} {'ours ms':>8} "
+          f"{'speedup':>7} {'FlashKDA':>8} {'× FKDA':>7} {'TB/s':>5} {'TFLOP/s':>7}")
     for r in rows:
         r = {**ROW_DEFAULTS, **r}
-        print(f"{r['B']:>2} {r['T']:>6} {r['H']:>3} {r['mode']:>8} {r['varlen']:>6} {r['l2norm']:>2} "
-              f"{r['fla_ms']:>8.3f} {r['kda_opt_ms']:>8.3f} {r['speedup']:>6.2f}× {r['tbps']:>5.2f} {r['tflops']:>7.0f}")
+        print(f"{r['B']:>2} {r['T']:>6} {r['H']:>3} {r['mode']:>8} {r['varlen']:>6} {r['config']:>8} "
+              f"{r['fla_ms']:>8.3f} {r['kda_opt_ms']:>8.3f} {r['speedup']:>6.2f}× {fmt(r['flashkda_ms'], '8.3f')} "
+              f"{fmt(r['speedup_vs_flashkda'], '6.2f', '×')} {r['tbps']:>5.2f} {r['tflops']:>7.0f}")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
 """The benchmark CLI's parsing, defaults, floors, CSV output and refusals (CPU)."""
 import csv
+import importlib.util
 import itertools
+import sys
+import types
 
 import pytest
 import torch
 
-from kda_opt import bench
+from kda_opt import bench, peers
 
 
 def test_defaults_match_spec():
@@ -84,8 +87,8 @@ def test_refuses_without_gpu(monkeypatch, capsys, test):
 
 def test_refuses_without_fla(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    real = bench.importlib.util.find_spec
-    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None if name == "fla" else real(name))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "fla" else real(name))
     assert bench.main(["--test", "benchmark"]) == 2
     assert "fla-core" in capsys.readouterr().err
 
@@ -111,8 +114,9 @@ def test_varlen_options():
     assert args["cu_seqlens_cpu"].tolist() == [0, *itertools.accumulate(c.seqlens)]
     assert args["initial_state"].shape[0] == 5
     explicit = bench.case_from_args(bench.parse_args(["--seq-lens", "1300,547,2048", "--l2norm"]))
-    assert explicit.seqlens == (1300, 547, 2048) and explicit.T == 3895 and explicit.l2norm
+    assert explicit.seqlens == (1300, 547, 2048) and explicit.T == 3895 and explicit.config == "l2norm"
     assert explicit.tag == "b1_t3895_h96_k128_safe_varlen3_l2norm"
+    assert explicit.inputs(device="cpu")["use_qk_l2norm_in_kernel"]
 
 
 @pytest.mark.parametrize("bad", [["--varlen", "--batch-size", "2"], ["--seq-lens", "5,0"], ["--varlen", "--seq-len", "10"]])
@@ -128,23 +132,80 @@ def test_trimmed_case_keeps_whole_sequences_first():
     assert c.trimmed(100).seqlens == (100,) and c.trimmed(5000) == c
 
 
-def test_sweep_has_the_serving_rows():
-    cases = bench.sweep_cases(bench.parse_args(["--sweep-gates", "safe"]))
-    assert len(cases) == len(bench.SWEEP_SHAPES) + 2
-    varlen, l2norm = cases[-2:]
-    assert (varlen.H, len(varlen.seqlens), max(varlen.seqlens) <= 8192, varlen.l2norm) == (32, 64, True, False)
-    assert (l2norm.B, l2norm.T, l2norm.H, l2norm.seqlens, l2norm.l2norm) == (1, 8192, 96, None, True)
-    assert not any(c.seqlens or c.l2norm for c in cases[:-2])
+def test_sweep_rows():
+    """SPEC §5's and §7's shapes, the three packed mixes, the l2norm row; per gate mode."""
+    cases = bench.sweep_cases(bench.parse_args([]))
+    per_gate = len(bench.SWEEP_SHAPES) + len(bench.SWEEP_PACKED) + 1
+    assert len(cases) == 2 * per_gate and {c.gate for c in cases[per_gate:]} == {"softplus"}
+    shapes = [(c.B, c.T, c.H) for c in cases[:per_gate] if not c.seqlens and c.config == "default"]
+    assert {(1, 8192, 96), (1, 8192, 64), (1, 65536, 16), (1, 2048, 16), (1, 65536, 32)} <= set(shapes)
+    drawn, mix6, mix8, l2norm = cases[per_gate - 4:per_gate]
+    assert (drawn.H, len(drawn.seqlens), max(drawn.seqlens) <= 8192) == (32, 64, True)
+    assert (mix6.H, mix6.T, mix6.seqlens) == (96, 8192, (1300, 547, 2048, 963, 271, 3063))
+    assert (mix8.H, mix8.T, mix8.seqlens) == (96, 8192, (1024,) * 8)
+    assert (l2norm.T, l2norm.H, l2norm.seqlens, l2norm.config) == (8192, 96, None, "l2norm")
 
 
-def test_rows_of_an_older_csv_merge_with_serving_rows(tmp_path):
-    """A CSV written before the varlen/l2norm columns: its rows are fixed-length, no l2norm."""
+def test_sweep_in_flashkda_configuration():
+    """--config flashkda: every row in FlashKDA's configuration, the safe gate only, no l2norm row."""
+    cases = bench.sweep_cases(bench.parse_args(["--config", "flashkda"]))
+    assert len(cases) == len(bench.SWEEP_SHAPES) + len(bench.SWEEP_PACKED)
+    assert {(c.config, c.gate) for c in cases} == {("flashkda", "safe")}
+    args = cases[0].inputs(device="cpu", initial_state=True)
+    assert args["use_qk_l2norm_in_kernel"] and args["use_beta_sigmoid_in_kernel"] and args["state_v_first"]
+    assert (args["beta"] < 0).any()   # logits
+    assert args["initial_state"].shape == (1, 96, 128, 128)
+
+
+@pytest.mark.parametrize("bad", [["--config", "flashkda", "--no-safe-gate"], ["--config", "flashkda", "--head-dim", "64"],
+                                 ["--config", "flashkda", "--dtype", "fp16"], ["--config", "flashkda", "--sweep-gates", "safe,softplus"],
+                                 ["--config", "l2", "--sweep"]])
+def test_bad_config_options_exit_2(bad):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(bad)
+    assert e.value.code == 2
+
+
+def test_rows_of_an_older_csv_merge_with_new_rows(tmp_path):
+    """A CSV written before the varlen, config, FlashKDA and FLA_FLASH_KDA columns: its rows are
+    fixed-length, default configuration, FlashKDA not timed, FLA on its Triton path."""
     path = tmp_path / "old.csv"
     path.write_text("B,T,H,K,V,mode,fla_ms,kda_opt_ms,speedup,tbps,tflops,bytes_floor_pct,flops_floor_pct\n"
                     "1,8192,96,128,128,safe,2.9,1.43,2.03,0.71,99,24,14\n")
-    new = dict(B=1, T=8192, H=96, K=128, V=128, mode="safe", varlen=0, l2norm=1, fla_ms=3.0, kda_opt_ms=1.5,
-               speedup=2.0, tbps=0.7, tflops=90.0, bytes_floor_pct=23.0, flops_floor_pct=13.0)
+    new = dict(B=1, T=8192, H=96, K=128, V=128, mode="safe", varlen=0, config="flashkda", fla_ms=3.2, kda_opt_ms=1.5,
+               speedup=2.1, flashkda_ms=1.47, speedup_vs_flashkda=0.98, tbps=0.7, tflops=90.0,
+               bytes_floor_pct=23.0, flops_floor_pct=13.0, fla_flash_kda="0")
     merged = bench.merge_rows(bench.read_csv(path), [new])
-    assert [(r["l2norm"], r["kda_opt_ms"]) for r in merged] == [(0, 1.43), (1, 1.5)]
+    assert [(r["config"], r["kda_opt_ms"], r["flashkda_ms"]) for r in merged] == [
+        ("default", 1.43, bench.NOT_RUN), ("flashkda", 1.5, 1.47)]
     bench.write_csv(merged, path)
-    assert [r["l2norm"] for r in csv.DictReader(open(path))] == ["0", "1"]
+    rows = list(csv.DictReader(open(path)))
+    assert [(r["config"], r["flashkda_ms"], r["fla_flash_kda"]) for r in rows] == [
+        ("default", "n/a", "0"), ("flashkda", "1.4700", "0")]
+    bench.print_table(merged)
+
+
+def test_flashkda_call_and_refusals(monkeypatch):
+    """The FlashKDA column's call: refused outside FlashKDA's configuration, with the reason; inside
+    it, flash_kda.fwd gets kda_forward's arguments in its own form (dt_bias [H, K], cu_seqlens int64,
+    the final state buffer [N, H, V, K])."""
+    calls = []
+    fake = types.SimpleNamespace(fwd=lambda *a, **kw: calls.append((a, kw)))
+    monkeypatch.setitem(sys.modules, "flash_kda", fake)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "flash_kda" else real(name))
+    c = bench.case_from_args(bench.parse_args(["--seq-lens", "100,28", "--num-heads", "2", "--config", "flashkda"]))
+    args = c.inputs(device="cpu", initial_state=True)
+    call, why_not = peers.flashkda(args)
+    assert why_not is None
+    out, final = call()
+    (q, k, v, g, beta, scale, o, A_log, dt_bias, lower_bound), kw = calls[0]
+    assert o is out and dt_bias.shape == (2, 128) and lower_bound == -5.0 and scale == 128 ** -0.5
+    assert kw["cu_seqlens"].dtype == torch.int64 and kw["cu_seqlens"].tolist() == [0, 100, 128]
+    assert final.shape == (2, 2, 128, 128) and kw["final_state"] is final and kw["initial_state"] is args["initial_state"]
+    for over in (dict(use_beta_sigmoid_in_kernel=False), dict(allow_neg_eigval=True), dict(state_v_first=False),
+                 dict(use_qk_l2norm_in_kernel=False), dict(A_log=None), dict(v=args["v"][..., :64])):
+        call, why_not = peers.flashkda({**args, **over})
+        assert call is None and "FlashKDA computes only" in why_not, over
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "flash_kda" else real(name))
+    assert peers.flashkda(args) == (None, "flash_kda is not installed")
