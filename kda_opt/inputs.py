@@ -46,7 +46,7 @@ def random_inputs(B, T, H, K, V=None, HV=None, gate="safe", dtype=torch.bfloat16
     N = B
     if seqlens is not None:
         N = len(seqlens)
-        args["cu_seqlens_cpu"] = torch.tensor([0, *seqlens]).cumsum(0).to(torch.int32)
+        args["cu_seqlens_cpu"] = torch.tensor([0, *seqlens]).cumsum(0)  # int64, as FLA documents it
         args["cu_seqlens"] = args["cu_seqlens_cpu"].to(device)
     if initial_state:
         args["initial_state"] = randn(N, HV, V, K) if state_v_first else randn(N, HV, K, V)
