@@ -2,10 +2,11 @@
 
     python scripts/bench_stages.py [scripts/test.py shape options] [--intra-warps 2,4]
                                    [--block-v 32,64,128] [--worker-warps 4,8] [--once]
-Stage inputs come from one real forward on random inputs (Case.inputs, as the benchmark's). A stage's
-floor is the bytes of its inputs and outputs over the copy bandwidth measured here. Stage 2 (with the
-inverse, stage 3) runs once per warp count asked for, stage 4 once per (block_v, worker warps) pair;
-the defaults are the launchers' own choices.
+The stages are recorded from one real kda_forward on random inputs (Case.inputs, as the benchmark's),
+so each runs with exactly the arguments kda_forward gives it, in any configuration (--varlen,
+--config ...). A stage's floor is the bytes of its inputs and outputs over the copy bandwidth measured
+here. Stage 2 (with the inverse, stage 3) runs once per warp count asked for, stage 4 once per
+(block_v, worker warps) pair; the defaults are the launchers' own choices.
 """
 import argparse
 import os
@@ -15,12 +16,10 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-from kda_opt import kda_forward, wuso as stage4  # noqa: E402
+from kda_opt import forward, kda_forward, wuso as stage4  # noqa: E402
 from kda_opt.bench import case_from_args, measure_ceilings, parse_args as bench_args  # noqa: E402
-from kda_opt.gate import gate_cumsum  # noqa: E402
-from kda_opt.intra import intra_chunk  # noqa: E402
-from kda_opt.options import GateConfig  # noqa: E402
-from kda_opt.seqs import fixed, packed  # noqa: E402
+
+STAGES = ("packed", "gate_cumsum", "intra_chunk", "wuso")  # kda_opt.forward's launchers, in order
 
 
 def nbytes(*xs):
@@ -29,6 +28,27 @@ def nbytes(*xs):
 
 def ints(text):
     return [int(x) for x in text.split(",")] if text else [None]
+
+
+def record_stages(call):
+    """Runs call() (a kda_forward) with forward's stage launchers recorded:
+    {name: (launcher, args, kwargs, result)} for the stages it launched."""
+    calls, launchers = {}, {name: getattr(forward, name) for name in STAGES}
+
+    def recorded(name, launcher):
+        def run(*args, **kwargs):
+            result = launcher(*args, **kwargs)
+            calls[name] = (launcher, args, kwargs, result)
+            return result
+        return run
+    try:
+        for name, launcher in launchers.items():
+            setattr(forward, name, recorded(name, launcher))
+        call()
+    finally:
+        for name, launcher in launchers.items():
+            setattr(forward, name, launcher)
+    return calls
 
 
 def main():
@@ -40,23 +60,20 @@ def main():
     own, rest = p.parse_known_args()
     c = case_from_args(bench_args(rest))
     a = c.inputs()
-    q, k, v, g, beta = a["q"], a["k"], a["v"], a["g"], a["beta"]
-    gate = GateConfig(a.get("use_gate_in_kernel", False), a.get("lower_bound"), a.get("safe_gate", False))
-    scale = c.K ** -0.5
     bw, _ = measure_ceilings()
-    cu_seqlens, l2norm = a.get("cu_seqlens"), c.l2norm
-    seqs = fixed(c.B, c.T, 64) if cu_seqlens is None else packed(cu_seqlens, c.T, 64)
+    stages = record_stages(lambda: kda_forward(**a))
 
-    gcum = gate_cumsum(g, gate, a.get("A_log"), a.get("dt_bias"), seqs=seqs)
-    intra = dict(gate_bounded=gate.bounded, seqs=seqs, l2norm=l2norm)
-    Aqk, Tm = intra_chunk(q, k, gcum, beta, scale, **intra)
-    o = torch.empty_like(v)
-    rows = [("gate", lambda: gate_cumsum(g, gate, a.get("A_log"), a.get("dt_bias"), seqs=seqs), nbytes(g, gcum))]
-    if cu_seqlens is not None:
-        rows.insert(0, ("seqs (chunk table)", lambda: packed(cu_seqlens, c.T, 64), 0))
+    rows = []
+    if "packed" in stages:
+        launcher, args, kwargs, _ = stages["packed"]
+        rows.append(("seqs (chunk table)", lambda: launcher(*args, **kwargs), 0))
+    launcher, args, kwargs, gcum = stages["gate_cumsum"]
+    rows.append(("gate", lambda: launcher(*args, **kwargs), nbytes(args[0], gcum)))
+    launcher, args, kwargs, (Aqk, Tm) = stages["intra_chunk"]
     rows += [(f"intra warps={w or 'default'}",
-              lambda w=w: intra_chunk(q, k, gcum, beta, scale, **intra, **({"num_warps": w} if w else {})),
-              nbytes(q, k, gcum, beta, Aqk, Tm)) for w in own.intra_warps]
+              lambda w=w: launcher(*args, **kwargs, **({"num_warps": w} if w else {})),
+              nbytes(*args[:4], Aqk, Tm)) for w in own.intra_warps]
+    launcher, args, kwargs, (o, _) = stages["wuso"]
     base_kernel = stage4.wuso_kernel
     for bv in own.block_v:
         for warps in own.worker_warps:
@@ -66,11 +83,10 @@ def main():
             def run(kernel=kernel, bv=bv):
                 stage4.wuso_kernel = kernel
                 try:
-                    return stage4.wuso(q, k, v, gcum, Tm, Aqk, scale, None, True, block_v=bv,
-                                       cu_seqlens=cu_seqlens, l2norm=l2norm)
+                    return launcher(*args, **{**kwargs, "block_v": bv})
                 finally:
                     stage4.wuso_kernel = base_kernel
-            rows.append((label, run, nbytes(q, k, v, gcum, Tm, Aqk, o)))
+            rows.append((label, run, nbytes(*args[:6], o)))
     rows.append(("kda_forward", lambda: kda_forward(**a), 0))
 
     print(f"# {torch.cuda.get_device_name()}, {c.label}; copy bandwidth {bw / 1e12:.2f} TB/s")

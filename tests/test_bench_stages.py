@@ -1,6 +1,14 @@
-"""scripts/bench_stages.py: its comma-separated list options (warps, V blocks) parse (CPU)."""
+"""scripts/bench_stages.py: its list options parse, and it records kda_forward's stage launches
+with their own arguments (CPU: the Triton stages under the interpreter)."""
 import os
 import sys
+
+import torch
+
+from kda_opt import forward
+from kda_opt.options import GateConfig
+from tests.conftest import kernel_device
+from tests.stage_inputs import stage_inputs
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 import bench_stages as bs  # noqa: E402
@@ -9,3 +17,22 @@ import bench_stages as bs  # noqa: E402
 def test_int_lists():
     assert bs.ints("32,64,128") == [32, 64, 128]
     assert bs.ints("") == [None]
+
+
+def test_record_stages_keeps_each_launch_and_restores_the_launchers():
+    x = stage_inputs(1, 70, 1, 64, HV=2, device=kernel_device())
+    g = -torch.rand(1, 70, 2, 64, device=kernel_device())
+    launchers = {name: getattr(forward, name) for name in bs.STAGES}
+
+    def two_stages():
+        gcum = forward.gate_cumsum(g, GateConfig(), None, None, 64)
+        forward.intra_chunk(x["q"], x["k"], gcum, x["beta"], 0.125, 64, gate_bounded=True)
+
+    calls = bs.record_stages(two_stages)
+    assert set(calls) == {"gate_cumsum", "intra_chunk"}
+    launcher, args, kwargs, gcum = calls["gate_cumsum"]
+    assert launcher is launchers["gate_cumsum"] and args[0] is g and gcum.shape == g.shape
+    launcher, args, kwargs, (Aqk, Tm) = calls["intra_chunk"]
+    assert kwargs == {"gate_bounded": True} and args[2] is gcum and Aqk.shape == (1, 70, 2, 64)
+    assert torch.equal(launcher(*args, **kwargs)[1], Tm)        # re-running a record: the same stage
+    assert all(getattr(forward, name) is fn for name, fn in launchers.items())
