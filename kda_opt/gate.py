@@ -20,7 +20,7 @@ SIGMOID: tl.constexpr = tl.constexpr(1)
 SOFTPLUS: tl.constexpr = tl.constexpr(2)
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit
 def gate_cumsum_kernel(
     g, A_log, dt_bias, gcum,       # [B, T, HV, K], [HV], [HV·K], [B, T, HV, K]
     cu_seqlens, chunk_indices,      # packed sequences (kda_opt/seqs)
