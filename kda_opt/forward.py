@@ -128,12 +128,12 @@ def kda_forward(
         A_log = dt_bias = None
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
 
-    B, T = q.shape[:2]
+    T = q.shape[1]
     l2norm = use_qk_l2norm_in_kernel
     beta_sigmoid = (2.0 if allow_neg_eigval else 1.0) if use_beta_sigmoid_in_kernel else None
     with nvtx_range("kda_opt/forward"):
         if cu_seqlens is None:
-            seqs = fixed(B, T, chunk_size)
+            seqs = fixed(T, chunk_size)
         else:
             with nvtx_range("kda_opt/seqs"):
                 seqs = packed(cu_seqlens, T, chunk_size)

@@ -59,7 +59,7 @@ def gate_cumsum(g: torch.Tensor, gate: GateConfig, A_log=None, dt_bias=None, chu
     """Γ = chunk-local cumsum of the activated gate, in log2 units: [B, T, HV, K] float32. seqs: the
     sequence layout (kda_opt/seqs); None is B sequences of T tokens."""
     B, T, HV, K = g.shape
-    seqs = seqs or fixed(B, T, chunk_size)
+    seqs = seqs or fixed(T, chunk_size)
     mode = PREACTIVATED if not gate.in_kernel else SIGMOID if gate.lower_bound is not None else SOFTPLUS
     gcum = torch.empty(B, T, HV, K, dtype=torch.float32, device=g.device)
     BK = min(64, triton.next_power_of_2(K))

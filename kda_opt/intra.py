@@ -351,7 +351,7 @@ def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64, *, gate_bo
     HV = gcum.shape[2]
     if chunk_size != 4 * BC:
         raise ValueError(f"intra_chunk computes chunks of {4 * BC}, got chunk_size={chunk_size}")
-    seqs = seqs or fixed(B, T, chunk_size)
+    seqs = seqs or fixed(T, chunk_size)
     Aqk = torch.empty(B, T, HV, chunk_size, dtype=q.dtype, device=q.device)
     Tm = torch.empty(B, T, HV, chunk_size, dtype=k.dtype, device=q.device)
     layout = dict(H=H, HV=HV, K=K, BT=chunk_size, BC=BC, SHIFT=SHIFT, PACKED=seqs.packed, L2NORM=l2norm)

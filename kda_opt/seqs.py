@@ -21,7 +21,6 @@ BLOCK = 1024  # sequences per step of the offsets scan; slots per program of the
 @dataclass(frozen=True)
 class Seqs:
     """The sequence layout the stages launch over (see the module docstring)."""
-    N: int                                    # sequences
     chunk_slots: int                          # extent of a per-chunk grid along T
     cu_seqlens: torch.Tensor | None = None    # [N + 1] int32/int64 on the device; None: fixed length
     chunk_indices: torch.Tensor | None = None  # [chunk_slots, 2] int32: (sequence, chunk), packed only
@@ -35,8 +34,9 @@ class Seqs:
         return (self.cu_seqlens, self.chunk_indices) if self.packed else (fallback, fallback)
 
 
-def fixed(B: int, T: int, chunk_size: int) -> Seqs:
-    return Seqs(N=B, chunk_slots=triton.cdiv(T, chunk_size))
+def fixed(T: int, chunk_size: int) -> Seqs:
+    """B sequences of T tokens each: the chunk slots of one (the grid covers B·HV of them)."""
+    return Seqs(chunk_slots=triton.cdiv(T, chunk_size))
 
 
 def packed(cu_seqlens: torch.Tensor, T: int, chunk_size: int) -> Seqs:
@@ -47,7 +47,7 @@ def packed(cu_seqlens: torch.Tensor, T: int, chunk_size: int) -> Seqs:
     chunk_offsets_kernel[(1,)](cu_seqlens, offsets, N, T, C=chunk_size, BLOCK=BLOCK)
     indices = torch.empty(slots, 2, dtype=torch.int32, device=cu_seqlens.device)
     chunk_indices_kernel[(triton.cdiv(slots, BLOCK),)](offsets, indices, N, slots, N.bit_length(), BLOCK=BLOCK)
-    return Seqs(N=N, chunk_slots=slots, cu_seqlens=cu_seqlens, chunk_indices=indices)
+    return Seqs(chunk_slots=slots, cu_seqlens=cu_seqlens, chunk_indices=indices)
 
 
 @triton.jit
