@@ -123,6 +123,9 @@ def parse_args(argv=None):
     p.add_argument("--sweep-gates", help="gate modes the sweep runs (default safe,softplus; safe with "
                                          "--config flashkda); its rows replace those of the same case "
                                          "in an existing CSV, so a sweep can be run in parts")
+    p.add_argument("--sweep-rows", choices=["all", "shapes", "serving"], default="all",
+                   help="which of the sweep's rows run: all; shapes (fixed-length SWEEP_SHAPES); serving "
+                        "(the packed mixes and the l2norm row)")
     p.add_argument("--out-dir", default="profiles", help="where --sweep writes its CSV and PNG")
     args = p.parse_args(argv)
     if args.chunk_size != 64:
@@ -165,18 +168,21 @@ def case_from_args(args, B=None, T=None, H=None, gate=None):
 
 
 def sweep_cases(args):
-    """The sweep's rows (SWEEP_SHAPES, SWEEP_PACKED, the l2norm row) in --config, per gate mode."""
+    """The sweep's rows (SWEEP_SHAPES, SWEEP_PACKED, the l2norm row; --sweep-rows picks) in --config,
+    per gate mode."""
     base = Case(1, 8192, 96, args.head_dim, "safe", args.lower_bound, DTYPES[args.dtype], args.seed,
                 config=args.config)
     cases = []
     for gate in args.sweep_gates.split(","):
         at = lambda **kw: dataclasses.replace(base, gate=gate, **kw)
-        cases += [at(B=B, T=T, H=H) for B, T, H in SWEEP_SHAPES]
-        for lens, H in SWEEP_PACKED:
-            lens = varlen_lengths(NUM_SEQS, 8192, args.seed) if lens == "drawn" else lens
-            cases.append(at(T=sum(lens), H=H, seqlens=lens))
-        if args.config == "default":
-            cases.append(at(config="l2norm"))
+        if args.sweep_rows in ("all", "shapes"):
+            cases += [at(B=B, T=T, H=H) for B, T, H in SWEEP_SHAPES]
+        if args.sweep_rows in ("all", "serving"):
+            for lens, H in SWEEP_PACKED:
+                lens = varlen_lengths(NUM_SEQS, 8192, args.seed) if lens == "drawn" else lens
+                cases.append(at(T=sum(lens), H=H, seqlens=lens))
+            if args.config == "default":
+                cases.append(at(config="l2norm"))
     return cases
 
 

@@ -144,6 +144,10 @@ def test_sweep_rows():
     assert (mix6.H, mix6.T, mix6.seqlens) == (96, 8192, (1300, 547, 2048, 963, 271, 3063))
     assert (mix8.H, mix8.T, mix8.seqlens) == (96, 8192, (1024,) * 8)
     assert (l2norm.T, l2norm.H, l2norm.seqlens, l2norm.config) == (8192, 96, None, "l2norm")
+    serving = bench.sweep_cases(bench.parse_args(["--sweep-rows", "serving"]))
+    shapes = bench.sweep_cases(bench.parse_args(["--sweep-rows", "shapes"]))
+    assert serving == cases[per_gate - 4:per_gate] + cases[-4:]
+    assert shapes == cases[:per_gate - 4] + cases[per_gate:-4]
 
 
 def test_sweep_in_flashkda_configuration():
