@@ -3,7 +3,8 @@
     seqs     = packed(cu_seqlens)             packed sequences only: chunk table (kda_opt/seqs)
     Γ        = gate_cumsum(g)                 stage 1, Triton   (kda_opt/gate)
     Aqk, Tm  = intra_chunk(q, k, Γ, β)        stages 2+3, Triton (kda_opt/intra: Akk and its
-                                              inverse Tm = (I + Akk)⁻¹ Diag(β) in one kernel)
+                                              inverse Tm = (I + Akk)⁻¹ Diag(β) in one kernel;
+                                              β's residual r where β is not a 16-bit number)
     o, S     = wuso(q, k, v, Γ, Tm, Aqk, S0)  stage 4, cuTile   (kda_opt/wuso)
 Each stage runs inside an NVTX range of the `kda_opt` domain; nothing here waits on the device.
 """
@@ -62,7 +63,9 @@ def kda_forward(
         g: ``[B, T, HV, K]`` gate, any float dtype: the raw gate if ``use_gate_in_kernel``, else
             the log-decay ``a ≤ 0`` itself.
         beta: ``[B, T, HV]`` delta-rule write strength (post-sigmoid; logits with
-            ``use_beta_sigmoid_in_kernel``), any float dtype.
+            ``use_beta_sigmoid_in_kernel``), any float dtype. A β that is not a number of k's
+            dtype (logits, fp32 beta with 16-bit k) costs one small [B, T, HV] fp32 buffer, which
+            keeps it exact (kda_opt/intra, "β's residual").
         scale: query scale; default ``K ** -0.5``.
         initial_state: ``[N, HV, K, V]`` state before each sequence's first token (N = B, or the
             number of packed sequences; ``[N, HV, V, K]`` with ``state_v_first``); float32, bf16 or
@@ -131,6 +134,11 @@ def kda_forward(
     T = q.shape[1]
     l2norm = use_qk_l2norm_in_kernel
     beta_sigmoid = (2.0 if allow_neg_eigval else 1.0) if use_beta_sigmoid_in_kernel else None
+    # Tm (k's dtype) holds β on its diagonal: where β is not a number of that dtype, stage 4 adds back
+    # what its rounding lost (kda_opt/intra, "β's residual").
+    residual = None
+    if k.dtype != torch.float32 and (use_beta_sigmoid_in_kernel or beta.dtype != k.dtype):
+        residual = beta.new_empty(beta.shape, dtype=torch.float32)
     with nvtx_range("kda_opt/forward"):
         if cu_seqlens is None:
             seqs = fixed(T, chunk_size)
@@ -141,10 +149,11 @@ def kda_forward(
             gcum = gate_cumsum(g, gate, A_log, dt_bias, chunk_size, seqs)
         with nvtx_range("kda_opt/intra"):
             Aqk, Tm = intra_chunk(q, k, gcum, beta, scale, chunk_size, gate_bounded=gate.bounded, seqs=seqs,
-                                  l2norm=l2norm, beta_sigmoid=beta_sigmoid)
+                                  l2norm=l2norm, beta_sigmoid=beta_sigmoid, beta_residual=residual)
         with nvtx_range("kda_opt/wuso"):
             return wuso(q, k, v, gcum, Tm, Aqk, scale, initial_state, output_final_state, chunk_size,
-                        cu_seqlens=cu_seqlens, l2norm=l2norm, state_v_first=state_v_first)
+                        cu_seqlens=cu_seqlens, l2norm=l2norm, state_v_first=state_v_first,
+                        beta_residual=residual)
 
 
 def _validate(q, k, v, g, beta, initial_state, *, use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound,

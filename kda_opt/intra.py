@@ -32,6 +32,11 @@ Inverse. Block forward substitution over the row blocks, as they are computed (F
 16×16 inverses the same way): with A_Rm the 16×16 blocks of Akk and E_R the rows of I in block R,
     X_R = (I + A_RR)⁻¹ (E_R − Σ_{m<R} A_Rm X_m),   (I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)(I + A⁸)
 (A strictly lower, so A¹⁶ = 0), every product on tensor cores; Tm's rows of block R are X_R Diag(β).
+
+β's residual. Tm's diagonal is β itself (X's diagonal is exactly 1), rounded once to Tm's dtype per
+token and applied to every value column alike. Where β is not a number of that dtype (logits, fp32
+beta; beta_residual given), the kernel also writes r = β − round(β) [B, T, HV] fp32, and stage 4
+adds r ⊙ x to Tm x (kda_opt/wuso), so that the diagonal is exact.
 """
 import math
 
@@ -287,11 +292,12 @@ def _solve_rows(Tm, t0, R: tl.constexpr, T, b_Arr, b_Y, b_beta, HV: tl.constexpr
 @triton.jit(do_not_specialize=["T"])
 def intra_chunk_kernel(
     q, k, gcum, beta, Aqk, Tm, Dkk,  # [B,T,H,K] ×2, [B,T,HV,K], [B,T,HV], [B,T,HV,BT] ×2, [B,T,HV,BC]
+    Rb,                               # [B,T,HV] fp32, β's residual (BETA_RESIDUAL)
     cu_seqlens, chunk_indices,        # packed sequences (kda_opt/seqs)
     T, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     SHIFT: tl.constexpr, CHECK_SPAN: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr,
-    PACKED: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    PACKED: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, BETA_RESIDUAL: tl.constexpr,
 ):
     # FLA 0.6.0 computes these matrices in three kernels (diagonal blocks, off-diagonal blocks fused
     # with the solve, then the inverse's merges); here one program holds a chunk's Akk in registers,
@@ -314,6 +320,9 @@ def intra_chunk_kernel(
     Dkk += (bos * HV + i_hv) * BC
     o_c = t0 + tl.arange(0, BT)
     b_beta = _beta(beta, o_c, o_c < T, HV, BETA_SIGMOID)
+    if BETA_RESIDUAL:
+        b_round = b_beta.to(Tm.dtype.element_ty).to(tl.float32)
+        tl.store(Rb + (bos * HV + i_hv) + o_c * HV, b_beta - b_round, mask=o_c < T)
     P: tl.constexpr = DOT_PRECISION
     # Rows past T have zero Akk rows: identity rows of the inverse, never stored, never reached.
     A0, f, D = _row_block(q, k, gcum, beta, Aqk, Dkk, t0, 0, T, scale, H, HV, K, BT, BC, BC, SHIFT,
@@ -340,12 +349,13 @@ def intra_chunk_kernel(
 
 def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64, *, gate_bounded: bool = False,
                 seqs: Seqs | None = None, l2norm: bool = False, beta_sigmoid: float | None = None,
-                num_warps: int = NUM_WARPS):
+                beta_residual: torch.Tensor | None = None, num_warps: int = NUM_WARPS):
     """Aqk [B, T, HV, C] (q's dtype) and Tm [B, T, HV, C] (k's dtype) of every chunk (C = 64).
     gate_bounded: every log-decay a ≥ −5 (log2 units: Γ falls at most 5/ln 2 per token), so no
     diagonal block needs the exact path. seqs: the sequence layout (kda_opt/seqs; None is B sequences
     of T tokens). l2norm: q and k rows L2-normalised as they are read. beta_sigmoid: beta holds
-    logits and β = beta_sigmoid · sigmoid(beta) (None: beta is β). num_warps is a tuning knob
+    logits and β = beta_sigmoid · sigmoid(beta) (None: beta is β). beta_residual: a [B, T, HV] fp32
+    tensor that receives β − β rounded to Tm's dtype (module docstring). num_warps is a tuning knob
     (scripts/bench_stages.py)."""
     B, T, H, K = q.shape
     HV = gcum.shape[2]
@@ -363,8 +373,10 @@ def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64, *, gate_bo
             q, k, gcum, Aqk, Dkk, *seqs.pointers(Aqk), T, scale, **layout,
             EXACT_PRECISION="tf32x3", num_warps=EXACT_NUM_WARPS)
     intra_chunk_kernel[(B * HV, seqs.chunk_slots)](
-        q, k, gcum, beta, Aqk, Tm, Dkk, *seqs.pointers(Aqk), T, scale, **layout,
+        q, k, gcum, beta, Aqk, Tm, Dkk, beta if beta_residual is None else beta_residual,
+        *seqs.pointers(Aqk), T, scale, **layout,
         CHECK_SPAN=not gate_bounded, BETA_SIGMOID=float(beta_sigmoid or 0.0),
+        BETA_RESIDUAL=beta_residual is not None,
         # Precision (module docstring). The interpreter ignores DOT_PRECISION and multiplies in fp32.
         DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", SPLIT_BF16=q.dtype == torch.bfloat16,
         num_warps=num_warps,

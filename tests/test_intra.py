@@ -113,6 +113,24 @@ def test_intra_beta_logits(scale):
     assert rel_err(Aqk, Aqk_b) < 2e-6 and rel_err(Tm, Tm_b) < 2e-6
 
 
+@pytest.mark.parametrize("seqlens", [None, (1, 64, 0, 100)])
+def test_intra_beta_residual(seqlens):
+    """β that is not a number of Tm's dtype (fp32 β, bf16 Tm): every row's r = β − bf16(β) is written
+    into the given buffer (NaN-filled first), per sequence as well. Checked as "β − r is a bf16 number
+    within one unit of β", which holds for the GPU's rounding to nearest and the interpreter's
+    truncation alike (Tm's store rounds the same way as r's)."""
+    T = 165
+    x = stage_inputs(1, T, 1, 64, HV=2, gate="softplus", dtype=torch.bfloat16, device=kernel_device(), seed=17)
+    beta = torch.rand(1, T, 2, generator=torch.Generator().manual_seed(3)).to(kernel_device())
+    seqs = None if seqlens is None else packed(torch.tensor([0, *seqlens]).cumsum(0).to(kernel_device()), T, C)
+    r = torch.full_like(beta, float("nan"))
+    intra_chunk(x["q"], x["k"], x["gcum"], beta, 0.125, seqs=seqs, beta_residual=r)
+    rounded = beta - r
+    ulp = torch.exp2(torch.floor(torch.log2(beta)) - 7)   # bf16: 8 significant bits
+    assert torch.equal(rounded.bfloat16().float(), rounded) and bool((r.abs() < ulp).all())
+    assert r.abs().max() > 0
+
+
 @pytest.mark.parametrize("gate", ["safe", "softplus"])
 @pytest.mark.parametrize("B,T,H,HV", [(1, 1, 1, 1), (2, 1, 1, 2), (2, 63, 1, 1), (1, 63, 2, 4), (1, 64, 1, 2),
                                       (2, 64, 2, 2), (1, 65, 2, 2), (2, 65, 1, 2), (1, 130, 1, 2), (2, 130, 2, 2)])
