@@ -1,4 +1,5 @@
-"""Profiling driver: N forwards of kda_forward and of FLA chunk_kda at one shape, for Nsight Systems.
+"""Profiling driver: N forwards of kda_forward, of FLA chunk_kda and of FlashKDA (where it runs the
+case: `--config flashkda`) at one shape, for Nsight Systems.
 
 JIT compilation and FLA's autotuning run before the capture; the measured region is bracketed by
 cudaProfilerStart/Stop, so `nsys profile --capture-range=cudaProfilerApi` records only it. Each
@@ -12,14 +13,14 @@ import nvtx
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-from kda_opt import kda_forward  # noqa: E402
+from kda_opt import kda_forward, peers  # noqa: E402
 from kda_opt.bench import DTYPES, case_from_args, parse_args as bench_args  # noqa: E402
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=20, help="forwards per system inside the capture")
-    p.add_argument("--no-fla", action="store_true", help="profile kda_forward alone")
+    p.add_argument("--no-fla", action="store_true", help="profile kda_forward alone (no FLA, no FlashKDA)")
     p.add_argument("--nvtx-cost", action="store_true",
                    help="no profile: time kda_forward with and without its NVTX ranges")
     p.add_argument("--torch-trace", metavar="CSV",
@@ -34,6 +35,11 @@ def main():
         os.environ.setdefault("FLA_FLASH_KDA", "0")
         from fla.ops.kda import chunk_kda
         systems["fla"] = lambda: chunk_kda(**inputs)
+        flashkda, why_not = peers.flashkda(inputs)
+        if flashkda is None:
+            print(f"FlashKDA not profiled: {why_not}")
+        else:
+            systems["flashkda"] = flashkda
     for f in systems.values():  # JIT, autotuning, allocator warm-up: outside the capture
         for _ in range(3):
             f()

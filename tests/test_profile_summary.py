@@ -43,3 +43,12 @@ def test_torch_trace_columns(tmp_path):
     kernels = ps.read_kernels(tmp_path / "t.csv", None)
     assert kernels == [("kda_opt", "intra_chunk_kernel", 1000)]
     assert ps.kernel_summary(kernels, 1).splitlines()[1].split() == ["1000", "1", "1000", "intra_chunk_kernel"]
+
+
+def test_flashkda_listed_per_kernel(tmp_path):
+    """FlashKDA's kernels (no stage map) are their own stages, templates cut off."""
+    (tmp_path / "t.csv").write_text("Start (ns),Duration (ns),Name,System\n"
+                                    "0,3000,kda_fwd_kernel1<cutlass::bfloat16_t>,flashkda\n"
+                                    "10,5000,kda_fwd_kernel2<128>,flashkda\n")
+    stages, _ = ps.per_stage(ps.read_kernels(tmp_path / "t.csv", None), iters=1)
+    assert stages["flashkda"] == {"kda_fwd_kernel1": 0.003, "kda_fwd_kernel2": 0.005}
