@@ -32,8 +32,9 @@ def main():
         return nvtx_cost(inputs)
     systems = {"kda_opt": lambda: kda_forward(**inputs)}
     if not args.no_fla:
-        os.environ.setdefault("FLA_FLASH_KDA", "0")
-        from fla.ops.kda import chunk_kda
+        chunk_kda = peers.fla_chunk_kda()   # FLA on its Triton path (FLA_FLASH_KDA=0 unless set)
+        if chunk_kda is None:
+            sys.exit("run_profile.py: FLA is not installed (pip install 'kda-opt[bench]'), or pass --no-fla")
         systems["fla"] = lambda: chunk_kda(**inputs)
         flashkda, why_not = peers.flashkda(inputs)
         if flashkda is None:
