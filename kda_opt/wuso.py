@@ -7,9 +7,10 @@ Per (batch b, value head hv, block of BV value columns), chunk after chunk, carr
 L2-normalised here if asked); v [B, T, HV, V]; Γ [B, T, HV, K] fp32; Tm [B, T, HV, 64] (k's dtype);
 Aqk [B, T, HV, 64] (q's dtype, scale included); S0 [N, HV, K, V] fp32/bf16/fp16 or none; r [B, T, HV]
 fp32 or none, β's residual from stage 2: with it V' = Tm x + r ⊙ x, x taken in fp32 (Tm's diagonal,
-β rounded to 16 bits, made exact; kda_opt/intra). Out: o
-[B, T, HV, V] in v's dtype; S [N, HV, K, V] fp32; both states [N, HV, V, K] if asked (state_v_first). N sequences: the B entries, or with cu_seqlens [N + 1] the packed
-sequences of the one entry (B = 1), each read through a view of its own rows (kda_opt/seqs).
+β rounded to 16 bits, made exact; kda_opt/intra). Out: o [B, T, HV, V] in v's dtype; S [N, HV, K, V]
+fp32; both states [N, HV, V, K] if asked (state_v_first). N sequences: the B entries, or with
+cu_seqlens [N + 1] the packed sequences of the one entry (B = 1), each read through a view of its own
+rows (kda_opt/seqs).
 Products take 16-bit operands (fp32 inputs: fp32) with fp32 accumulation. For bf16 inputs O's Aqk V'
 takes V' as hi + lo, which pays for stage 2's bf16 products (kda_opt/intra): o's error against
 float64, emulated, is 3.3e-3 with them and one rounded V', 2.9e-3 with the split, as with tf32.
