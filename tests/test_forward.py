@@ -10,6 +10,8 @@ from kda_opt.inputs import GATE_MODES, random_inputs
 from kda_opt.reference import reference_forward
 from tests.conftest import HAS_CUDA, gpu, rel_err
 
+PER_TOKEN = ("q", "k", "v", "g", "beta")  # kda_forward's arguments with a row per token
+
 
 def fla_chunk_kda():
     return pytest.importorskip("fla.ops.kda").chunk_kda
@@ -61,7 +63,7 @@ BAD_INPUTS = {
     "cu_seqlens one entry": (ValueError, "cu_seqlens", dict(cu_seqlens=torch.tensor([0]))),
     "cu_seqlens with B > 1": (ValueError, "batch size must be 1", dict(
         cu_seqlens=torch.tensor([0, 8]), **{n: torch.cat([x, x]) for n, x in cpu_args().items()
-                                             if n in ("q", "k", "v", "g", "beta")})),
+                                             if n in PER_TOKEN})),
     "initial_state for B, not N": (ValueError, "initial_state", dict(
         cu_seqlens=torch.tensor([0, 3, 8]), initial_state=torch.zeros(1, 2, 64, 64))),
     "cu_seqlens_cpu alone": (ValueError, "cu_seqlens_cpu", dict(cu_seqlens_cpu=torch.tensor([0, 8]))),
@@ -174,10 +176,9 @@ def pack(args, lens):
     """args' per-token tensors cut into sequences of `lens` (B = 1) — the arguments of each one run
     alone, its initial state the matching row of args' initial_state."""
     bounds = torch.tensor([0, *lens]).cumsum(0).tolist()
-    per_token = ("q", "k", "v", "g", "beta")
     skip = ("cu_seqlens", "cu_seqlens_cpu", "initial_state")
     for n, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-        one = {name: (x[:, a:b] if name in per_token else x) for name, x in args.items() if name not in skip}
+        one = {name: (x[:, a:b] if name in PER_TOKEN else x) for name, x in args.items() if name not in skip}
         if "initial_state" in args:
             one["initial_state"] = args["initial_state"][n:n + 1]
         yield a, b, one
@@ -233,9 +234,8 @@ def test_forward_packed_matches_fla_and_is_as_accurate(gate):
 
 def cut(args, t):
     """args split at token t: (first part, second part without its initial state)."""
-    per_token = ("q", "k", "v", "g", "beta")
-    first = {n: (x[:, :t] if n in per_token else x) for n, x in args.items()}
-    second = {n: (x[:, t:] if n in per_token else x) for n, x in args.items() if n != "initial_state"}
+    first = {n: (x[:, :t] if n in PER_TOKEN else x) for n, x in args.items()}
+    second = {n: (x[:, t:] if n in PER_TOKEN else x) for n, x in args.items() if n != "initial_state"}
     return first, second
 
 
@@ -269,7 +269,7 @@ def test_forward_continuation_packed():
 
     def packed_call(ones, lens_, h0):
         cu = torch.tensor([0, *lens_]).cumsum(0).to(torch.int32)
-        joined = {n: (torch.cat([x[n] for x in ones], dim=1) if n in ("q", "k", "v", "g", "beta") else x)
+        joined = {n: (torch.cat([x[n] for x in ones], dim=1) if n in PER_TOKEN else x)
                   for n, x in ones[0].items() if n != "initial_state"}
         return kda_forward(**joined, initial_state=h0, cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
 

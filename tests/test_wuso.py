@@ -120,15 +120,17 @@ def test_block_v_fills_one_wave():
     assert block_v_for(96, 128, H100_SMS, torch.float32) == 32
 
 
-def stage4_case(B, T, H, HV, K, dtype, with_state, gate="safe", seed=0, V=None, state_dtype=torch.float32):
+def stage4_case(B, T, H, HV, K, dtype, with_state, gate="safe", seed=0, V=None, state_dtype=torch.float32,
+                beta=None):
     """The kernel's inputs (Γ / ln 2 fp32, Tm in k's dtype, Aqk in q's dtype), the initial state (in
     state_dtype) or None, and the float64 state pass on the same q, k, v, Γ, initial state and the
-    unrounded Tm, Aqk."""
+    unrounded Tm, Aqk. beta [B, T, HV]: the β to use instead of stage_inputs' (which is in dtype)."""
     V = V or K
     x = stage_inputs(B, T, H, K, V=V, HV=HV, gate=gate, dtype=dtype, device="cuda", seed=seed)
+    beta = x["beta"] if beta is None else beta
     scale = K ** -0.5
-    Aqk, Akk = ref.intra_chunk(x["q"], x["k"], x["gamma"], x["beta"], scale)
-    Tm = ref.solve(Akk, x["beta"])
+    Aqk, Akk = ref.intra_chunk(x["q"], x["k"], x["gamma"], beta, scale)
+    Tm = ref.solve(Akk, beta)
     W, U = ref.wu(Tm, x["k"], x["v"], x["gamma"])
     gen = torch.Generator().manual_seed(seed + 1)
     h0 = torch.randn(B, HV, K, V, generator=gen).to("cuda", state_dtype) if with_state else None
@@ -169,16 +171,8 @@ def test_wuso_beta_residual():
     """β that is not a bf16 number (as from logits): Tm's bf16 diagonal rounds it once per token for
     every value column, and the state's error grows by half (8th session: 1.8e-3 → 2.7e-3); stage 2's
     residual r = β − bf16(β), added back here, must take most of that growth away."""
-    B, T, H, K = 2, 1000, 4, 128
-    x = stage_inputs(B, T, H, K, dtype=torch.bfloat16, device="cuda", seed=5)
-    beta = torch.rand(B, T, H, generator=torch.Generator().manual_seed(6), dtype=torch.float64).cuda()
-    scale = K ** -0.5
-    Aqk, Akk = ref.intra_chunk(x["q"], x["k"], x["gamma"], beta, scale)
-    Tm = ref.solve(Akk, beta)
-    W, U = ref.wu(Tm, x["k"], x["v"], x["gamma"])
-    h0 = torch.randn(B, H, K, K, generator=torch.Generator().manual_seed(7)).cuda()
-    ref_o, ref_s = ref.state_pass(x["q"], x["k"], W, U, Aqk, x["gamma"], scale, h0)
-    inputs = (x["q"], x["k"], x["v"], x["gcum"], Tm.to(torch.bfloat16), Aqk.to(torch.bfloat16), scale)
+    beta = torch.rand(2, 1000, 4, generator=torch.Generator().manual_seed(6), dtype=torch.float64).cuda()
+    inputs, h0, ref_o, ref_s = stage4_case(2, 1000, 4, 4, 128, torch.bfloat16, True, seed=5, beta=beta)
     r = (beta - beta.to(torch.bfloat16).double()).float()
     o_plain, s_plain = run_poisoned(inputs, h0)
     o, s = run_poisoned(inputs, h0, beta_residual=r)
