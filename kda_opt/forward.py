@@ -4,7 +4,8 @@
     Γ        = gate_cumsum(g)                 stage 1, Triton   (kda_opt/gate)
     Aqk, Tm  = intra_chunk(q, k, Γ, β)        stages 2+3, Triton (kda_opt/intra: Akk and its
                                               inverse Tm = (I + Akk)⁻¹ Diag(β) in one kernel;
-                                              β's residual r where β is not a 16-bit number)
+                                              β's residual r where β is not a 16-bit number,
+                                              q/k norms for l2norm)
     o, S     = wuso(q, k, v, Γ, Tm, Aqk, S0)  stage 4, cuTile   (kda_opt/wuso)
 Each stage runs inside an NVTX range of the `kda_opt` domain; nothing here waits on the device.
 """
@@ -64,7 +65,7 @@ def kda_forward(
             the log-decay ``a ≤ 0`` itself.
         beta: ``[B, T, HV]`` delta-rule write strength (post-sigmoid; logits with
             ``use_beta_sigmoid_in_kernel``), any float dtype. A β that is not a number of k's
-            dtype (logits, fp32 beta with 16-bit k) costs one small [B, T, HV] fp32 buffer, which
+            dtype (logits, fp32 beta with 16-bit k) costs one small [B, HV, T] fp32 buffer, which
             keeps it exact (kda_opt/intra, "β's residual").
         scale: query scale; default ``K ** -0.5``.
         initial_state: ``[N, HV, K, V]`` state before each sequence's first token (N = B, or the
@@ -136,9 +137,12 @@ def kda_forward(
     beta_sigmoid = (2.0 if allow_neg_eigval else 1.0) if use_beta_sigmoid_in_kernel else None
     # Tm (k's dtype) holds β on its diagonal: where β is not a number of that dtype, stage 4 adds back
     # what its rounding lost (kda_opt/intra, "β's residual").
+    B, _, H, _ = q.shape
+    HV = v.shape[2]
     residual = None
     if k.dtype != torch.float32 and (use_beta_sigmoid_in_kernel or beta.dtype != k.dtype):
-        residual = beta.new_empty(beta.shape, dtype=torch.float32)
+        residual = q.new_empty((B, HV, T), dtype=torch.float32)
+    qk_rstd = q.new_empty((2, B, H, T), dtype=torch.float32) if l2norm else None   # 1 / ‖q‖, 1 / ‖k‖
     with nvtx_range("kda_opt/forward"):
         if cu_seqlens is None:
             seqs = fixed(T, chunk_size)
@@ -149,10 +153,11 @@ def kda_forward(
             gcum = gate_cumsum(g, gate, A_log, dt_bias, chunk_size, seqs)
         with nvtx_range("kda_opt/intra"):
             Aqk, Tm = intra_chunk(q, k, gcum, beta, scale, chunk_size, gate_bounded=gate.bounded, seqs=seqs,
-                                  l2norm=l2norm, beta_sigmoid=beta_sigmoid, beta_residual=residual)
+                                  l2norm=l2norm, beta_sigmoid=beta_sigmoid, beta_residual=residual,
+                                  qk_rstd=qk_rstd)
         with nvtx_range("kda_opt/wuso"):
             return wuso(q, k, v, gcum, Tm, Aqk, scale, initial_state, output_final_state, chunk_size,
-                        cu_seqlens=cu_seqlens, l2norm=l2norm, state_v_first=state_v_first,
+                        cu_seqlens=cu_seqlens, qk_rstd=qk_rstd, state_v_first=state_v_first,
                         beta_residual=residual)
 
 

@@ -35,8 +35,12 @@ Inverse. Block forward substitution over the row blocks, as they are computed (F
 
 β's residual. Tm's diagonal is β itself (X's diagonal is exactly 1), rounded once to Tm's dtype per
 token and applied to every value column alike. Where β is not a number of that dtype (logits, fp32
-beta; beta_residual given), the kernel also writes r = β − round(β) [B, T, HV] fp32, and stage 4
-adds r ⊙ x to Tm x (kda_opt/wuso), so that the diagonal is exact.
+beta; beta_residual given), the kernel also writes r = β − round(β) [B, HV, T] fp32, and stage 4
+adds r ⊙ x to Tm x (kda_opt/wuso), so that the diagonal is exact. (Leaving β out of Tm and scaling
+x's rows by it before their rounding instead measured less accurate: NOTES.md, ninth session.)
+
+Norms. With l2norm and qk_rstd given, the kernel also writes every token's 1 / sqrt(Σ x² + eps) for
+q and k, [2, B, H, T] fp32, which stage 4 applies instead of normalising again.
 """
 import math
 
@@ -189,14 +193,15 @@ def diagonal_exact_kernel(
 
 
 @triton.jit
-def _row_block(q, k, gcum, beta, Aqk, Dkk, t0, R: tl.constexpr, T, scale,
+def _row_block(q, k, gcum, beta, Aqk, Dkk, rstd, rstd_plane, t0, R: tl.constexpr, T, scale,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                BTC: tl.constexpr, SHIFT: tl.constexpr, CHECK_SPAN: tl.constexpr,
                DOT_PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr, L2NORM: tl.constexpr,
-               BETA_SIGMOID: tl.constexpr):
+               BETA_SIGMOID: tl.constexpr, STORE_RSTD: tl.constexpr):
     """Row block R of the chunk at t0 against its first BTC ≥ 16(R + 1) columns. Stores the block's
     Aqk rows (whole rows, zero past BTC, the diagonal block left to diagonal_exact_kernel where it
-    did not fit); returns its Akk rows [BC, BTC] (β applied, zero on and above the diagonal),
+    did not fit) and, if STORE_RSTD, its rows' q and k norms (rstd[0], rstd[rstd_plane]); returns
+    its Akk rows [BC, BTC] (β applied, zero on and above the diagonal),
     whether its diagonal block came from the product (fits), and if not the exact one from Dkk
     [BC, BC]. A block starting past T is all zero."""
     n = t0 + R * BC                                   # the block's first row
@@ -210,8 +215,17 @@ def _row_block(q, k, gcum, beta, Aqk, Dkk, t0, R: tl.constexpr, T, scale,
     m_c = (o_j < R * BC + BC * fits) & (t0 + o_j < T) & (n + 0 * o_j < T)
     b_kct = tl.trans(_qk_tile(k, t0 + o_j, m_c, K, H * K, L2NORM))       # [K, BTC]
     b_gc = _tile(gcum, t0 + o_j, m_c, o_k, HV * K)                       # [BTC, K]
-    b_q = _qk_tile(q, o_t, m_t, K, H * K, L2NORM)                        # [BC, K]
-    b_k = _qk_tile(k, o_t, m_t, K, H * K, L2NORM)
+    b_q = _tile(q, o_t, m_t, o_k, H * K)                                 # [BC, K]
+    b_k = _tile(k, o_t, m_t, o_k, H * K)
+    if L2NORM:
+        b_rq = _rstd(b_q)
+        b_rk = _rstd(b_k)
+        b_q = b_q * b_rq[:, None]
+        b_k = b_k * b_rk[:, None]
+        if STORE_RSTD:
+            # Every value head of a GVA group writes the same numbers.
+            tl.store(rstd + o_t, b_rq, mask=m_t)
+            tl.store(rstd + rstd_plane + o_t, b_rk, mask=m_t)
     b_g = _tile(gcum, o_t, m_t, o_k, HV * K)
     b_c = tl.load(gcum + n * (HV * K) + o_k, mask=n + 0 * o_k < T, other=0.0) - SHIFT * fits
     # Exponents are masked before exp2 (rows and columns past T load Γ = 0, where 2^(C − 0) could
@@ -292,12 +306,13 @@ def _solve_rows(Tm, t0, R: tl.constexpr, T, b_Arr, b_Y, b_beta, HV: tl.constexpr
 @triton.jit(do_not_specialize=["T"])
 def intra_chunk_kernel(
     q, k, gcum, beta, Aqk, Tm, Dkk,  # [B,T,H,K] ×2, [B,T,HV,K], [B,T,HV], [B,T,HV,BT] ×2, [B,T,HV,BC]
-    Rb,                               # [B,T,HV] fp32, β's residual (BETA_RESIDUAL)
+    Rb, Rstd,                         # [B,HV,T] fp32 β's residual (BETA_RESIDUAL), [2,B,H,T] fp32 norms (STORE_RSTD)
     cu_seqlens, chunk_indices,        # packed sequences (kda_opt/seqs)
     T, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     SHIFT: tl.constexpr, CHECK_SPAN: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr,
     PACKED: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, BETA_RESIDUAL: tl.constexpr,
+    STORE_RSTD: tl.constexpr,
 ):
     # FLA 0.6.0 computes these matrices in three kernels (diagonal blocks, off-diagonal blocks fused
     # with the solve, then the inverse's merges); here one program holds a chunk's Akk in registers,
@@ -306,11 +321,13 @@ def intra_chunk_kernel(
     i_bh, i_t = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
+    T_all = T
     bos, T, i_t = chunk_span(i_b, i_t, T, cu_seqlens, chunk_indices, PACKED)
     t0 = i_t * BT
     if PACKED:
         if t0 >= T:  # a spare slot
             return
+    tok = bos - i_b * T_all                    # the sequence's first token in its batch entry
     q += (bos * H + i_h) * K
     k += (bos * H + i_h) * K
     gcum += (bos * HV + i_hv) * K
@@ -322,25 +339,27 @@ def intra_chunk_kernel(
     b_beta = _beta(beta, o_c, o_c < T, HV, BETA_SIGMOID)
     if BETA_RESIDUAL:
         b_round = b_beta.to(Tm.dtype.element_ty).to(tl.float32)
-        tl.store(Rb + (bos * HV + i_hv) + o_c * HV, b_beta - b_round, mask=o_c < T)
+        tl.store(Rb + (i_b * HV + i_hv) * T_all + tok + o_c, b_beta - b_round, mask=o_c < T)
+    Rstd += (i_b * H + i_h) * T_all + tok
+    rstd_plane = tl.num_programs(0).to(tl.int64) // HV * H * T_all     # B·H·T: q's norms, then k's
     P: tl.constexpr = DOT_PRECISION
     # Rows past T have zero Akk rows: identity rows of the inverse, never stored, never reached.
-    A0, f, D = _row_block(q, k, gcum, beta, Aqk, Dkk, t0, 0, T, scale, H, HV, K, BT, BC, BC, SHIFT,
-                          CHECK_SPAN, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
+    A0, f, D = _row_block(q, k, gcum, beta, Aqk, Dkk, Rstd, rstd_plane, t0, 0, T, scale, H, HV, K, BT, BC, BC,
+                          SHIFT, CHECK_SPAN, P, SPLIT_BF16, L2NORM, BETA_SIGMOID, STORE_RSTD)
     X0 = _solve_rows(Tm, t0, 0, T, _diagonal(A0, f, D, CHECK_SPAN), tl.zeros([BC, BT], dtype=tl.float32),
                      b_beta, HV, BT, BC, P)
-    A1, f, D = _row_block(q, k, gcum, beta, Aqk, Dkk, t0, 1, T, scale, H, HV, K, BT, BC, 2 * BC, SHIFT,
-                          CHECK_SPAN, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
+    A1, f, D = _row_block(q, k, gcum, beta, Aqk, Dkk, Rstd, rstd_plane, t0, 1, T, scale, H, HV, K, BT, BC,
+                          2 * BC, SHIFT, CHECK_SPAN, P, SPLIT_BF16, L2NORM, BETA_SIGMOID, STORE_RSTD)
     A10, A11 = _halves(A1)
     X1 = _solve_rows(Tm, t0, 1, T, _diagonal(A11, f, D, CHECK_SPAN), tl.dot(A10, X0, input_precision=P),
                      b_beta, HV, BT, BC, P)
-    A2, f, D = _row_block(q, k, gcum, beta, Aqk, Dkk, t0, 2, T, scale, H, HV, K, BT, BC, BT, SHIFT,
-                          CHECK_SPAN, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
+    A2, f, D = _row_block(q, k, gcum, beta, Aqk, Dkk, Rstd, rstd_plane, t0, 2, T, scale, H, HV, K, BT, BC,
+                          BT, SHIFT, CHECK_SPAN, P, SPLIT_BF16, L2NORM, BETA_SIGMOID, STORE_RSTD)
     A20, A21, A22, _ = _quarters(A2)
     b_Y = tl.dot(A21, X1, tl.dot(A20, X0, input_precision=P), input_precision=P)
     X2 = _solve_rows(Tm, t0, 2, T, _diagonal(A22, f, D, CHECK_SPAN), b_Y, b_beta, HV, BT, BC, P)
-    A3, f, D = _row_block(q, k, gcum, beta, Aqk, Dkk, t0, 3, T, scale, H, HV, K, BT, BC, BT, SHIFT,
-                          CHECK_SPAN, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
+    A3, f, D = _row_block(q, k, gcum, beta, Aqk, Dkk, Rstd, rstd_plane, t0, 3, T, scale, H, HV, K, BT, BC,
+                          BT, SHIFT, CHECK_SPAN, P, SPLIT_BF16, L2NORM, BETA_SIGMOID, STORE_RSTD)
     A30, A31, A32, A33 = _quarters(A3)
     b_Y = tl.dot(A32, X2, tl.dot(A31, X1, tl.dot(A30, X0, input_precision=P), input_precision=P),
                  input_precision=P)
@@ -349,14 +368,16 @@ def intra_chunk_kernel(
 
 def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64, *, gate_bounded: bool = False,
                 seqs: Seqs | None = None, l2norm: bool = False, beta_sigmoid: float | None = None,
-                beta_residual: torch.Tensor | None = None, num_warps: int = NUM_WARPS):
+                beta_residual: torch.Tensor | None = None, qk_rstd: torch.Tensor | None = None,
+                num_warps: int = NUM_WARPS):
     """Aqk [B, T, HV, C] (q's dtype) and Tm [B, T, HV, C] (k's dtype) of every chunk (C = 64).
     gate_bounded: every log-decay a ≥ −5 (log2 units: Γ falls at most 5/ln 2 per token), so no
     diagonal block needs the exact path. seqs: the sequence layout (kda_opt/seqs; None is B sequences
     of T tokens). l2norm: q and k rows L2-normalised as they are read. beta_sigmoid: beta holds
-    logits and β = beta_sigmoid · sigmoid(beta) (None: beta is β). beta_residual: a [B, T, HV] fp32
-    tensor that receives β − β rounded to Tm's dtype (module docstring). num_warps is a tuning knob
-    (scripts/bench_stages.py)."""
+    logits and β = beta_sigmoid · sigmoid(beta) (None: beta is β). beta_residual: a [B, HV, T] fp32
+    tensor that receives β − β rounded to Tm's dtype (module docstring). qk_rstd: a
+    [2, B, H, T] fp32 tensor that receives q's and k's 1 / sqrt(Σ x² + eps) per token (l2norm only).
+    num_warps is a tuning knob (scripts/bench_stages.py)."""
     B, T, H, K = q.shape
     HV = gcum.shape[2]
     if chunk_size != 4 * BC:
@@ -374,9 +395,9 @@ def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64, *, gate_bo
             EXACT_PRECISION="tf32x3", num_warps=EXACT_NUM_WARPS)
     intra_chunk_kernel[(B * HV, seqs.chunk_slots)](
         q, k, gcum, beta, Aqk, Tm, Dkk, beta if beta_residual is None else beta_residual,
-        *seqs.pointers(Aqk), T, scale, **layout,
+        beta if qk_rstd is None else qk_rstd, *seqs.pointers(Aqk), T, scale, **layout,
         CHECK_SPAN=not gate_bounded, BETA_SIGMOID=float(beta_sigmoid or 0.0),
-        BETA_RESIDUAL=beta_residual is not None,
+        BETA_RESIDUAL=beta_residual is not None, STORE_RSTD=l2norm and qk_rstd is not None,
         # Precision (module docstring). The interpreter ignores DOT_PRECISION and multiplies in fp32.
         DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", SPLIT_BF16=q.dtype == torch.bfloat16,
         num_warps=num_warps,

@@ -3,11 +3,12 @@
 Per (batch b, value head hv, block of BV value columns), chunk after chunk, carrying S [K, BV] fp32:
     V' = U − W S = Tm (v − (2^Γ ⊙ k) S)          (W = Tm (2^Γ ⊙ k), U = Tm v)
     O  = scale·(q ⊙ 2^Γ) S + Aqk V',   S ← Diag(2^Γ_last) S + (k ⊙ 2^(Γ_last − Γ))ᵀ V'
-Γ in log2 units; Γ_last is Γ at the chunk's last valid row. In: q, k [B, T, H, K] bf16/fp16/fp32 (rows
-L2-normalised here if asked); v [B, T, HV, V]; Γ [B, T, HV, K] fp32; Tm [B, T, HV, 64] (k's dtype);
-Aqk [B, T, HV, 64] (q's dtype, scale included); S0 [N, HV, K, V] fp32/bf16/fp16 or none; r [B, T, HV]
-fp32 or none, β's residual from stage 2: with it V' = Tm x + r ⊙ x, x taken in fp32 (Tm's diagonal,
-β rounded to 16 bits, made exact; kda_opt/intra). Out: o [B, T, HV, V] in v's dtype; S [N, HV, K, V]
+Γ in log2 units; Γ_last is Γ at the chunk's last valid row. In: q, k [B, T, H, K] bf16/fp16/fp32; their
+rows' 1 / ‖·‖ [2, B, H, T] fp32 from stage 2 or none (l2norm: q and k rows scaled by them as they
+are read); v [B, T, HV, V]; Γ [B, T, HV, K] fp32; Tm [B, T, HV, 64] (k's dtype); Aqk [B, T, HV, 64]
+(q's dtype, scale included); S0 [N, HV, K, V] fp32/bf16/fp16 or none; r [B, HV, T] fp32 or none,
+β's residual from stage 2: with it V' = Tm x + r ⊙ x, x taken in fp32 (Tm's diagonal, β rounded to
+16 bits, made exact; kda_opt/intra). Out: o [B, T, HV, V] in v's dtype; S [N, HV, K, V]
 fp32; both states [N, HV, V, K] if asked (state_v_first). N sequences: the B entries, or with
 cu_seqlens [N + 1] the packed sequences of the one entry (B = 1), each read through a view of its own
 rows (kda_opt/seqs).
@@ -20,7 +21,6 @@ import functools
 import cuda.tile as ct
 import torch
 
-from .options import L2NORM_EPS
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -41,7 +41,7 @@ WORKER_WARPS = 8
 # (fla/ops/kda/wy_fast.py), chunk_gated_delta_rule_fwd_h (fla/ops/common/chunk_delta_h.py) and
 # chunk_gla_fwd_o_gk (fla/ops/gla/chunk.py); S never leaves the chip and W, U never exist.
 @ct.kernel(num_worker_warps=WORKER_WARPS)
-def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, S0, O, SF, CU, scale: float,
+def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, scale: float,
                 K: ConstInt, BV: ConstInt, C: ConstInt, HAS_S0: ConstBool, STORE_SF: ConstBool,
                 SPLIT_V: ConstBool, PACKED: ConstBool, L2NORM: ConstBool, V_FIRST: ConstBool,
                 BETA_RESIDUAL: ConstBool):
@@ -67,7 +67,9 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, S0, O, SF, CU, scale: float,
         TM = TM.slice(axis=1, start=start, stop=stop)
         AQK = AQK.slice(axis=1, start=start, stop=stop)
         if BETA_RESIDUAL:
-            RB = RB.slice(axis=1, start=start, stop=stop)
+            RB = RB.slice(axis=2, start=start, stop=stop)
+        if L2NORM:
+            RSTD = RSTD.slice(axis=3, start=start, stop=stop)
         O = O.slice(axis=1, start=start, stop=stop)
         i_b = 0
     T = Q.shape[1]
@@ -92,9 +94,12 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, S0, O, SF, CU, scale: float,
         kf = k.astype(F32)
         qf = q.astype(F32)
         if L2NORM:
-            # FLA's l2norm per row (use_qk_l2norm_in_kernel), on the fp32 rows: no pass of its own.
-            kf = kf * ct.rsqrt(ct.sum(kf * kf, axis=1, keepdims=True) + L2NORM_EPS)
-            qf = qf * ct.rsqrt(ct.sum(qf * qf, axis=1, keepdims=True) + L2NORM_EPS)
+            # FLA's l2norm per row (use_qk_l2norm_in_kernel), with stage 2's norms: a row reduction
+            # here would sit on the chunk's dependency chain.
+            rq = ct.load(RSTD, index=(0, i_b, i_h, i_t), shape=(1, 1, 1, C), padding_mode=ZERO).reshape((C, 1))
+            rk = ct.load(RSTD, index=(1, i_b, i_h, i_t), shape=(1, 1, 1, C), padding_mode=ZERO).reshape((C, 1))
+            qf = qf * rq
+            kf = kf * rk
         # ftz: gates drive 2^Γ into subnormals, which are worth nothing next to the state.
         eg = ct.exp2(g, flush_to_zero=True)                                          # [C, K]
         s_op = S.astype(dt)                                                          # [K, BV]
@@ -103,7 +108,7 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, S0, O, SF, CU, scale: float,
         # torch emulation of both orders, bf16 and fp32, agreed to two digits).
         x = ct.mma((kf * -eg).astype(dt), s_op, v.astype(F32))                     # v − (2^Γ ⊙ k) S
         if BETA_RESIDUAL:
-            r = ct.load(RB, index=(i_b, i_t, i_hv), shape=(1, C, 1), padding_mode=ZERO).reshape((C, 1))
+            r = ct.load(RB, index=(i_b, i_hv, i_t), shape=(1, 1, C), padding_mode=ZERO).reshape((C, 1))
             v_f32 = ct.mma(tm.astype(dt), x.astype(dt), r * x)                      # V' [C, BV]
         else:
             v_f32 = ct.mma(tm.astype(dt), x.astype(dt), ct.zeros((C, BV), dtype=F32))
@@ -138,35 +143,37 @@ def block_v_for(programs: int, V: int, sms: int, dtype: torch.dtype) -> int:
 
 @functools.cache
 def _absent(device: torch.device, ndim: int, dtype: torch.dtype) -> torch.Tensor:
-    """Stands in for a missing S0, final state, cu_seqlens or β residual: HAS_S0 / STORE_SF / PACKED /
-    BETA_RESIDUAL compile its access away."""
+    """Stands in for a missing S0, final state, cu_seqlens, β residual or norms: HAS_S0 / STORE_SF /
+    PACKED / BETA_RESIDUAL / L2NORM compile its access away."""
     return torch.empty((1,) * ndim, dtype=dtype, device=device)
 
 
 def launch_config(q, k, v, gcum, Tm, Aqk, scale, initial_state, o, final_state, block_v, chunk_size=64,
-                  cu_seqlens=None, l2norm=False, state_v_first=False, beta_residual=None):
+                  cu_seqlens=None, qk_rstd=None, state_v_first=False, beta_residual=None):
     """(grid, kernel arguments) of one launch: the one place both the launcher and the export test
     (tests/test_wuso.py, on meta tensors) take the kernel's specialisation from."""
     B, _, HV, V = v.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     state = lambda x: _absent(v.device, 4, torch.float32) if x is None else x
-    residual = _absent(v.device, 3, torch.float32) if beta_residual is None else beta_residual
-    args = (q, k, v, gcum, Tm, Aqk, residual, state(initial_state), o, state(final_state),
+    absent = lambda x, ndim: _absent(v.device, ndim, torch.float32) if x is None else x
+    args = (q, k, v, gcum, Tm, Aqk, absent(beta_residual, 3), absent(qk_rstd, 4), state(initial_state), o,
+            state(final_state),
             _absent(v.device, 1, torch.int32) if cu_seqlens is None else cu_seqlens, float(scale),
             q.shape[-1], block_v, chunk_size, initial_state is not None, final_state is not None,
-            q.dtype == torch.bfloat16, cu_seqlens is not None, l2norm, state_v_first, beta_residual is not None)
+            q.dtype == torch.bfloat16, cu_seqlens is not None, qk_rstd is not None, state_v_first,
+            beta_residual is not None)
     return (V // block_v, N * HV, 1), args
 
 
 def wuso(q, k, v, gcum, Tm, Aqk, scale: float, initial_state=None, output_final_state=False,
-         chunk_size: int = 64, block_v: int | None = None, cu_seqlens=None, l2norm: bool = False,
+         chunk_size: int = 64, block_v: int | None = None, cu_seqlens=None, qk_rstd=None,
          state_v_first: bool = False, beta_residual=None):
     """Stage 4 on the current stream: o [B, T, HV, V] (v's dtype) and the final state [N, HV, K, V]
     fp32, or None unless output_final_state. Inputs as in the module docstring, contiguous (kda_forward
     validates them); cu_seqlens [N + 1] packs N sequences into the one batch entry. block_v: V columns
-    per program; None picks it with block_v_for. l2norm: q and k rows L2-normalised as they are read.
-    state_v_first: the initial and final states are [N, HV, V, K]. beta_residual: stage 2's r
-    [B, T, HV] fp32 (module docstring), or None."""
+    per program; None picks it with block_v_for. qk_rstd: stage 2's [2, B, H, T] fp32 norms (l2norm),
+    or None. state_v_first: the initial and final states are [N, HV, V, K]. beta_residual: stage 2's
+    r [B, HV, T] fp32 (module docstring), or None."""
     B, _, HV, V = v.shape
     K = q.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -178,6 +185,6 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, initial_state=None, output_final_
         sms = torch.cuda.get_device_properties(v.device).multi_processor_count
         block_v = block_v_for(N * HV, V, sms, q.dtype)
     grid, args = launch_config(q, k, v, gcum, Tm, Aqk, scale, initial_state, o, final, block_v, chunk_size,
-                               cu_seqlens, l2norm, state_v_first, beta_residual)
+                               cu_seqlens, qk_rstd, state_v_first, beta_residual)
     ct.launch(torch.cuda.current_stream(), grid, wuso_kernel, args)
     return o, final

@@ -346,6 +346,21 @@ def test_forward_state_v_first(state_dtype, seqlens):
 
 
 @gpu
+@pytest.mark.parametrize("lens", PACKED_LENS[::2])
+def test_forward_packed_flashkda_configuration(lens):
+    """FlashKDA's call on packed sequences (stage 2 hands β and the q/k norms to stage 4 per token):
+    within SPEC §5's floor of the float64 recurrence, and each sequence run alone gives the same numbers."""
+    args = random_inputs(1, sum(lens), 4, 128, seqlens=lens, initial_state=True, l2norm=True, beta_logits=True,
+                         state_v_first=True, seed=24)
+    o, s = kda_forward(**args)
+    ref_o, ref_s = reference_forward(**args, method="chunked")
+    assert rel_err(o, ref_o) <= 5e-3 and rel_err(s, ref_s) <= 5e-3
+    for n, (a, b, one) in enumerate(pack(args, lens)):
+        o1, s1 = kda_forward(**one)
+        assert rel_err(o[:, a:b], o1) < 2e-3 and rel_err(s[n:n + 1], s1) < 1e-4, n
+
+
+@gpu
 def test_forward_flashkda_configuration_matches_fla():
     """FlashKDA's whole configuration at once (K = V = 128, safe gate, q/k l2norm and beta sigmoid in
     kernel, V-first states) against FLA given the same arguments, and as accurate."""

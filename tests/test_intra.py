@@ -11,6 +11,7 @@ import torch
 
 from kda_opt import reference as ref
 from kda_opt.intra import intra_chunk
+from kda_opt.options import L2NORM_EPS
 from kda_opt.seqs import packed
 from tests.conftest import gpu, kernel_device, rel_err
 from tests.stage_inputs import stage_inputs
@@ -60,15 +61,32 @@ def assert_structure(Aqk, Tm, beta, T, lens=None):
     assert ((diag - beta).abs() <= torch.finfo(Tm.dtype).eps * beta).all()
 
 
+def rstd(q, k):
+    """[2, B, H, T]: 1 / sqrt(Σ x² + eps) of every q and k row, as stage 2 writes them (float64)."""
+    return torch.stack([(x.double().pow(2).sum(-1) + L2NORM_EPS).rsqrt().transpose(1, 2) for x in (q, k)])
+
+
+def packed_gcum(a, lens):
+    """Γ / ln 2 (fp32) of the log-decay a [1, T, HV, K] for sequences of `lens` packed along T, each
+    summed from its own first token."""
+    cu = torch.tensor([0, *lens]).cumsum(0).tolist()
+    return (torch.cat([ref.chunk_cumsum(a[:, s:e]) for s, e in zip(cu[:-1], cu[1:]) if e > s], dim=1)
+            / math.log(2.0)).float()
+
+
 def run_packed(x, lens, scale, l2norm=False):
     """Sequences of `lens` packed along x's T (B = 1), Γ restarted at each one's first token: the
-    kernel's Aqk and Tm, and the reference's, sequence by sequence (q, k L2-normalised if asked)."""
+    kernel's Aqk and Tm, and the reference's, sequence by sequence (q, k L2-normalised if asked; the
+    norms the kernel writes then checked here)."""
     cu = torch.tensor([0, *lens]).cumsum(0)
     bounds = [(a, b) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()) if b > a]
-    gcum = (torch.cat([ref.chunk_cumsum(x["a"][:, a:b]) for a, b in bounds], dim=1) / math.log(2.0)).float()
+    gcum = packed_gcum(x["a"], lens)
     q, k, beta = x["q"], x["k"], x["beta"]
+    norms = torch.full((2, *q.shape[:1], q.shape[2], q.shape[1]), float("nan"), device=q.device) if l2norm else None
     Aqk, Tm = intra_chunk(q, k, gcum, beta, scale, gate_bounded=x["bounded"], l2norm=l2norm,
-                          seqs=packed(cu.to(q.device), sum(lens), C))
+                          seqs=packed(cu.to(q.device), sum(lens), C), qk_rstd=norms)
+    if l2norm:
+        assert rel_err(norms, rstd(q, k)) < 1e-6
     rq, rk = (ref.l2norm(q), ref.l2norm(k)) if l2norm else (q, k)
     rAqk, rTm = [], []
     for a, b in bounds:
@@ -93,13 +111,16 @@ def test_intra_packed_sequences(lens, gate, l2norm):
 
 
 def test_intra_l2norm():
-    """l2norm over a fixed-length batch: the same matrices as q and k normalised beforehand."""
+    """l2norm over a fixed-length batch (grouped value heads): the same matrices as q and k
+    normalised beforehand, and every token's norms written for stage 4."""
     x = stage_inputs(2, 130, 2, 64, HV=4, gate="softplus", device=kernel_device(), seed=11)
     x = {**x, "k": 2 * x["k"] - 0.3}
-    Aqk, Tm = intra_chunk(x["q"], x["k"], x["gcum"], x["beta"], 0.125, l2norm=True)
+    norms = torch.full((2, 2, 2, 130), float("nan"), device=x["q"].device)
+    Aqk, Tm = intra_chunk(x["q"], x["k"], x["gcum"], x["beta"], 0.125, l2norm=True, qk_rstd=norms)
     n = lambda t: ref.l2norm(t).float()
     Aqk_n, Tm_n = intra_chunk(n(x["q"]), n(x["k"]), x["gcum"], x["beta"], 0.125)
     assert rel_err(Aqk, Aqk_n) < 2e-6 and rel_err(Tm, Tm_n) < 2e-6
+    assert rel_err(norms, rstd(x["q"], x["k"])) < 1e-6
 
 
 @pytest.mark.parametrize("scale", [1.0, 2.0])
@@ -113,18 +134,19 @@ def test_intra_beta_logits(scale):
     assert rel_err(Aqk, Aqk_b) < 2e-6 and rel_err(Tm, Tm_b) < 2e-6
 
 
-@pytest.mark.parametrize("seqlens", [None, (1, 64, 0, 100)])
-def test_intra_beta_residual(seqlens):
+@pytest.mark.parametrize("B,seqlens", [(2, None), (1, (1, 64, 0, 100))])
+def test_intra_beta_residual(B, seqlens):
     """β that is not a number of Tm's dtype (fp32 β, bf16 Tm): every row's r = β − bf16(β) is written
-    into the given buffer (NaN-filled first), per sequence as well. Checked as "β − r is a bf16 number
-    within one unit of β", which holds for the GPU's rounding to nearest and the interpreter's
-    truncation alike (Tm's store rounds the same way as r's)."""
+    into the given [B, HV, T] buffer (NaN-filled first), per sequence as well. Checked as "β − r is a
+    bf16 number within one unit of β", which holds for the GPU's rounding to nearest and the
+    interpreter's truncation alike (Tm's store rounds the same way as r's)."""
     T = 165
-    x = stage_inputs(1, T, 1, 64, HV=2, gate="softplus", dtype=torch.bfloat16, device=kernel_device(), seed=17)
-    beta = torch.rand(1, T, 2, generator=torch.Generator().manual_seed(3)).to(kernel_device())
+    x = stage_inputs(B, T, 1, 64, HV=2, gate="softplus", dtype=torch.bfloat16, device=kernel_device(), seed=17)
+    beta = torch.rand(B, T, 2, generator=torch.Generator().manual_seed(3)).to(kernel_device())
     seqs = None if seqlens is None else packed(torch.tensor([0, *seqlens]).cumsum(0).to(kernel_device()), T, C)
-    r = torch.full_like(beta, float("nan"))
+    r = torch.full((B, 2, T), float("nan"), device=beta.device)
     intra_chunk(x["q"], x["k"], x["gcum"], beta, 0.125, seqs=seqs, beta_residual=r)
+    beta = beta.transpose(1, 2)
     rounded = beta - r
     ulp = torch.exp2(torch.floor(torch.log2(beta)) - 7)   # bf16: 8 significant bits
     assert torch.equal(rounded.bfloat16().float(), rounded) and bool((r.abs() < ulp).all())

@@ -9,6 +9,7 @@ import torch
 import cuda.tile as ct
 from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint, export_kernel
 from kda_opt import reference as ref
+from kda_opt.options import L2NORM_EPS
 from kda_opt.wuso import block_v_for, launch_config, wuso, wuso_kernel
 from tests.conftest import gpu, rel_err
 from tests.stage_inputs import stage_inputs
@@ -44,8 +45,8 @@ def cubin(dtype, K, has_state, store_state, block_v=None, B=1, T=8192, H=96, seq
           state_v_first=False, state_dtype=torch.float32, beta_residual=False):
     """The launcher's specialisation (launch_config on meta tensors of the SPEC §5 default shape),
     compiled for sm_90; block_v None takes the launcher's choice on an H100. seqs: (N, cu_seqlens
-    dtype) packs N sequences into the one batch entry (B = 1). state_dtype: the initial state's.
-    beta_residual: with stage 2's β residual [B, T, H] fp32."""
+    dtype) packs N sequences into the one batch entry (B = 1). l2norm: with stage 2's norms
+    [2, B, H, T]. state_dtype: the initial state's. beta_residual: with stage 2's β residual [B, H, T] fp32."""
     meta = lambda *shape, dt=dtype: torch.empty(*shape, dtype=dt, device="meta")
     q, k, v, o = (meta(B, T, H, K) for _ in range(4))
     cu_seqlens = None if seqs is None else meta(seqs[0] + 1, dt=seqs[1])
@@ -55,8 +56,9 @@ def cubin(dtype, K, has_state, store_state, block_v=None, B=1, T=8192, H=96, seq
     _, args = launch_config(q, k, v, gcum, meta(B, T, H, 64), meta(B, T, H, 64), K ** -0.5,
                             meta(N, H, K, K, dt=state_dtype) if has_state else None, o,
                             meta(N, H, K, K, dt=torch.float32) if store_state else None, block_v,
-                            cu_seqlens=cu_seqlens, l2norm=l2norm, state_v_first=state_v_first,
-                            beta_residual=meta(B, T, H, dt=torch.float32) if beta_residual else None)
+                            cu_seqlens=cu_seqlens, qk_rstd=meta(2, B, H, T, dt=torch.float32) if l2norm else None,
+                            state_v_first=state_v_first,
+                            beta_residual=meta(B, H, T, dt=torch.float32) if beta_residual else None)
     signature = KernelSignature([constraint(a) for a in args], CallingConvention.cutile_python_v2())
     buf = io.BytesIO()
     export_kernel(wuso_kernel, [signature], buf, gpu_code="sm_90", output_format="cubin")
@@ -139,8 +141,14 @@ def stage4_case(B, T, H, HV, K, dtype, with_state, gate="safe", seed=0, V=None, 
     return inputs, h0, ref_o, ref_s
 
 
+def rstd(q, k):
+    """[2, B, H, T] fp32: 1 / sqrt(Σ x² + eps) of every q and k row, what stage 2 hands stage 4."""
+    return torch.stack([(x.float().pow(2).sum(-1) + L2NORM_EPS).rsqrt().transpose(1, 2) for x in (q, k)]).contiguous()
+
+
 def run_poisoned(inputs, h0, block_v=None, cu_seqlens=None, l2norm=False, state_v_first=False, beta_residual=None):
-    """One launch into NaN-filled o and final state, so that any element the kernel skips fails."""
+    """One launch into NaN-filled o and final state, so that any element the kernel skips fails.
+    l2norm: q and k rows normalised with their norms (rstd)."""
     q, v = inputs[0], inputs[2]
     B, _, HV, V = v.shape
     K = q.shape[-1]
@@ -149,7 +157,8 @@ def run_poisoned(inputs, h0, block_v=None, cu_seqlens=None, l2norm=False, state_
                                      q.dtype)
     o = torch.full_like(v, float("nan"))
     final = torch.full((N, HV, V, K) if state_v_first else (N, HV, K, V), float("nan"), device=v.device)
-    grid, args = launch_config(*inputs, h0, o, final, block_v, cu_seqlens=cu_seqlens, l2norm=l2norm,
+    grid, args = launch_config(*inputs, h0, o, final, block_v, cu_seqlens=cu_seqlens,
+                               qk_rstd=rstd(inputs[0], inputs[1]) if l2norm else None,
                                state_v_first=state_v_first, beta_residual=beta_residual)
     ct.launch(torch.cuda.current_stream(), grid, wuso_kernel, args)
     return o, final
@@ -170,10 +179,10 @@ def test_wuso_bf16(T, B, H, HV, K, with_state):
 def test_wuso_beta_residual():
     """β that is not a bf16 number (as from logits): Tm's bf16 diagonal rounds it once per token for
     every value column, and the state's error grows by half (8th session: 1.8e-3 → 2.7e-3); stage 2's
-    residual r = β − bf16(β), added back here, must take most of that growth away."""
+    residual r = β − bf16(β) [B, HV, T], added back here, must take most of that growth away."""
     beta = torch.rand(2, 1000, 4, generator=torch.Generator().manual_seed(6), dtype=torch.float64).cuda()
     inputs, h0, ref_o, ref_s = stage4_case(2, 1000, 4, 4, 128, torch.bfloat16, True, seed=5, beta=beta)
-    r = (beta - beta.to(torch.bfloat16).double()).float()
+    r = (beta - beta.to(torch.bfloat16).double()).float().transpose(1, 2).contiguous()
     o_plain, s_plain = run_poisoned(inputs, h0)
     o, s = run_poisoned(inputs, h0, beta_residual=r)
     assert rel_err(s, ref_s) < 0.85 * rel_err(s_plain, ref_s) and rel_err(o, ref_o) < 1.02 * rel_err(o_plain, ref_o)
