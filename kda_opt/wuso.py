@@ -21,7 +21,6 @@ import functools
 import cuda.tile as ct
 import torch
 
-
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
 ZERO = ct.PaddingMode.ZERO
@@ -154,10 +153,9 @@ def launch_config(q, k, v, gcum, Tm, Aqk, scale, initial_state, o, final_state, 
     (tests/test_wuso.py, on meta tensors) take the kernel's specialisation from."""
     B, _, HV, V = v.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    state = lambda x: _absent(v.device, 4, torch.float32) if x is None else x
     absent = lambda x, ndim: _absent(v.device, ndim, torch.float32) if x is None else x
-    args = (q, k, v, gcum, Tm, Aqk, absent(beta_residual, 3), absent(qk_rstd, 4), state(initial_state), o,
-            state(final_state),
+    args = (q, k, v, gcum, Tm, Aqk, absent(beta_residual, 3), absent(qk_rstd, 4), absent(initial_state, 4), o,
+            absent(final_state, 4),
             _absent(v.device, 1, torch.int32) if cu_seqlens is None else cu_seqlens, float(scale),
             q.shape[-1], block_v, chunk_size, initial_state is not None, final_state is not None,
             q.dtype == torch.bfloat16, cu_seqlens is not None, qk_rstd is not None, state_v_first,
