@@ -346,6 +346,30 @@ def test_forward_state_v_first(state_dtype, seqlens):
 
 
 @gpu
+def test_forward_captures_in_a_cuda_graph():
+    """kda_forward in a CUDA graph (it never waits on the device and allocates through torch): new
+    inputs copied into the captured ones and one replay give the eager call's numbers, bit for bit.
+    FlashKDA's call at a small shape, where launches are the cost (NOTES.md, ninth session)."""
+    call = dict(l2norm=True, beta_logits=True, state_v_first=True, initial_state=True)
+    static = random_inputs(1, 300, 2, 128, seed=31, **call)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        kda_forward(**static)                  # JIT compiles and autotuning stay out of the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, s = kda_forward(**static)
+    new = random_inputs(1, 300, 2, 128, seed=32, **call)
+    for name, x in new.items():
+        if isinstance(x, torch.Tensor):
+            static[name].copy_(x)
+    graph.replay()
+    o_eager, s_eager = kda_forward(**new)
+    assert torch.equal(o, o_eager) and torch.equal(s, s_eager)
+
+
+@gpu
 @pytest.mark.parametrize("lens", PACKED_LENS[::2])
 def test_forward_packed_flashkda_configuration(lens):
     """FlashKDA's call on packed sequences (stage 2 hands β and the q/k norms to stage 4 per token):
