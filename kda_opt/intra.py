@@ -39,8 +39,9 @@ beta; beta_residual given), the kernel also writes r = β − round(β) [B, HV, 
 adds r ⊙ x to Tm x (kda_opt/wuso), so that the diagonal is exact. (Leaving β out of Tm and scaling
 x's rows by it before their rounding instead measured less accurate: NOTES.md, ninth session.)
 
-Norms. With l2norm and qk_rstd given, the kernel also writes every token's 1 / sqrt(Σ x² + eps) for
-q and k, [2, B, H, T] fp32, which stage 4 applies instead of normalising again.
+Norms. With l2norm the kernel writes every token's 1 / sqrt(Σ x² + eps) for q and k, [2, B, H, T]
+fp32: each row block normalises its own rows, reads its columns' norms back from there, and stage 4
+applies them instead of normalising again.
 """
 import math
 
@@ -70,15 +71,6 @@ def _tile(p, o_t, m_t, o_k, STRIDE: tl.constexpr):
 def _rstd(x):
     """1 / sqrt(Σ x² + eps) per row of x [M, K]: FLA's l2norm (use_qk_l2norm_in_kernel)."""
     return tl.rsqrt(tl.sum(x * x, axis=1) + L2_EPS)
-
-
-@triton.jit
-def _qk_tile(p, o_t, m_t, K: tl.constexpr, STRIDE: tl.constexpr, L2NORM: tl.constexpr):
-    """Whole q or k rows [len(o_t), K] as fp32, L2-normalised when L2NORM."""
-    x = _tile(p, o_t, m_t, tl.arange(0, K), STRIDE)
-    if L2NORM:
-        x = x * _rstd(x)[:, None]
-    return x
 
 
 @triton.jit
@@ -197,10 +189,10 @@ def _row_block(q, k, gcum, beta, Aqk, Dkk, rstd, rstd_plane, t0, R: tl.constexpr
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                BTC: tl.constexpr, SHIFT: tl.constexpr, CHECK_SPAN: tl.constexpr,
                DOT_PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr, L2NORM: tl.constexpr,
-               BETA_SIGMOID: tl.constexpr, STORE_RSTD: tl.constexpr):
+               BETA_SIGMOID: tl.constexpr):
     """Row block R of the chunk at t0 against its first BTC ≥ 16(R + 1) columns. Stores the block's
     Aqk rows (whole rows, zero past BTC, the diagonal block left to diagonal_exact_kernel where it
-    did not fit) and, if STORE_RSTD, its rows' q and k norms (rstd[0], rstd[rstd_plane]); returns
+    did not fit) and, if L2NORM, its rows' q and k norms (rstd[0], rstd[rstd_plane]); returns
     its Akk rows [BC, BTC] (β applied, zero on and above the diagonal),
     whether its diagonal block came from the product (fits), and if not the exact one from Dkk
     [BC, BC]. A block starting past T is all zero."""
@@ -213,19 +205,23 @@ def _row_block(q, k, gcum, beta, Aqk, Dkk, rstd, rstd_plane, t0, R: tl.constexpr
     fits = _span_fits(gcum, n, T, HV, K, BC, SHIFT) if CHECK_SPAN else 1
     # Columns up to the block's diagonal block (before it where the diagonal is computed apart).
     m_c = (o_j < R * BC + BC * fits) & (t0 + o_j < T) & (n + 0 * o_j < T)
-    b_kct = tl.trans(_qk_tile(k, t0 + o_j, m_c, K, H * K, L2NORM))       # [K, BTC]
+    b_kct = tl.trans(_tile(k, t0 + o_j, m_c, o_k, H * K))                # [K, BTC]
     b_gc = _tile(gcum, t0 + o_j, m_c, o_k, HV * K)                       # [BTC, K]
     b_q = _tile(q, o_t, m_t, o_k, H * K)                                 # [BC, K]
     b_k = _tile(k, o_t, m_t, o_k, H * K)
     if L2NORM:
+        # The block's rows are normalised with their own norms, stored for stage 4 (every value head
+        # of a GVA group stores the same numbers). The columns are rows of this and earlier blocks:
+        # their norms are read back (the barrier makes this block's stores visible) instead of
+        # reducing the [BTC, K] column tile again in every block.
         b_rq = _rstd(b_q)
         b_rk = _rstd(b_k)
+        tl.store(rstd + o_t, b_rq, mask=m_t)
+        tl.store(rstd + rstd_plane + o_t, b_rk, mask=m_t)
+        tl.debug_barrier()
+        b_kct = b_kct * tl.load(rstd + rstd_plane + t0 + o_j, mask=m_c, other=0.0)[None, :]
         b_q = b_q * b_rq[:, None]
         b_k = b_k * b_rk[:, None]
-        if STORE_RSTD:
-            # Every value head of a GVA group writes the same numbers.
-            tl.store(rstd + o_t, b_rq, mask=m_t)
-            tl.store(rstd + rstd_plane + o_t, b_rk, mask=m_t)
     b_g = _tile(gcum, o_t, m_t, o_k, HV * K)
     b_c = tl.load(gcum + n * (HV * K) + o_k, mask=n + 0 * o_k < T, other=0.0) - SHIFT * fits
     # Exponents are masked before exp2 (rows and columns past T load Γ = 0, where 2^(C − 0) could
@@ -306,13 +302,12 @@ def _solve_rows(Tm, t0, R: tl.constexpr, T, b_Arr, b_Y, b_beta, HV: tl.constexpr
 @triton.jit(do_not_specialize=["T"])
 def intra_chunk_kernel(
     q, k, gcum, beta, Aqk, Tm, Dkk,  # [B,T,H,K] ×2, [B,T,HV,K], [B,T,HV], [B,T,HV,BT] ×2, [B,T,HV,BC]
-    Rb, Rstd,                         # [B,HV,T] fp32 β's residual (BETA_RESIDUAL), [2,B,H,T] fp32 norms (STORE_RSTD)
+    Rb, Rstd,                         # [B,HV,T] fp32 β's residual (BETA_RESIDUAL), [2,B,H,T] fp32 norms (L2NORM)
     cu_seqlens, chunk_indices,        # packed sequences (kda_opt/seqs)
     T, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     SHIFT: tl.constexpr, CHECK_SPAN: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr,
     PACKED: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, BETA_RESIDUAL: tl.constexpr,
-    STORE_RSTD: tl.constexpr,
 ):
     # FLA 0.6.0 computes these matrices in three kernels (diagonal blocks, off-diagonal blocks fused
     # with the solve, then the inverse's merges); here one program holds a chunk's Akk in registers,
@@ -345,21 +340,21 @@ def intra_chunk_kernel(
     P: tl.constexpr = DOT_PRECISION
     # Rows past T have zero Akk rows: identity rows of the inverse, never stored, never reached.
     A0, f, D = _row_block(q, k, gcum, beta, Aqk, Dkk, Rstd, rstd_plane, t0, 0, T, scale, H, HV, K, BT, BC, BC,
-                          SHIFT, CHECK_SPAN, P, SPLIT_BF16, L2NORM, BETA_SIGMOID, STORE_RSTD)
+                          SHIFT, CHECK_SPAN, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
     X0 = _solve_rows(Tm, t0, 0, T, _diagonal(A0, f, D, CHECK_SPAN), tl.zeros([BC, BT], dtype=tl.float32),
                      b_beta, HV, BT, BC, P)
     A1, f, D = _row_block(q, k, gcum, beta, Aqk, Dkk, Rstd, rstd_plane, t0, 1, T, scale, H, HV, K, BT, BC,
-                          2 * BC, SHIFT, CHECK_SPAN, P, SPLIT_BF16, L2NORM, BETA_SIGMOID, STORE_RSTD)
+                          2 * BC, SHIFT, CHECK_SPAN, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
     A10, A11 = _halves(A1)
     X1 = _solve_rows(Tm, t0, 1, T, _diagonal(A11, f, D, CHECK_SPAN), tl.dot(A10, X0, input_precision=P),
                      b_beta, HV, BT, BC, P)
     A2, f, D = _row_block(q, k, gcum, beta, Aqk, Dkk, Rstd, rstd_plane, t0, 2, T, scale, H, HV, K, BT, BC,
-                          BT, SHIFT, CHECK_SPAN, P, SPLIT_BF16, L2NORM, BETA_SIGMOID, STORE_RSTD)
+                          BT, SHIFT, CHECK_SPAN, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
     A20, A21, A22, _ = _quarters(A2)
     b_Y = tl.dot(A21, X1, tl.dot(A20, X0, input_precision=P), input_precision=P)
     X2 = _solve_rows(Tm, t0, 2, T, _diagonal(A22, f, D, CHECK_SPAN), b_Y, b_beta, HV, BT, BC, P)
     A3, f, D = _row_block(q, k, gcum, beta, Aqk, Dkk, Rstd, rstd_plane, t0, 3, T, scale, H, HV, K, BT, BC,
-                          BT, SHIFT, CHECK_SPAN, P, SPLIT_BF16, L2NORM, BETA_SIGMOID, STORE_RSTD)
+                          BT, SHIFT, CHECK_SPAN, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
     A30, A31, A32, A33 = _quarters(A3)
     b_Y = tl.dot(A32, X2, tl.dot(A31, X1, tl.dot(A30, X0, input_precision=P), input_precision=P),
                  input_precision=P)
@@ -375,8 +370,9 @@ def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64, *, gate_bo
     diagonal block needs the exact path. seqs: the sequence layout (kda_opt/seqs; None is B sequences
     of T tokens). l2norm: q and k rows L2-normalised as they are read. beta_sigmoid: beta holds
     logits and β = beta_sigmoid · sigmoid(beta) (None: beta is β). beta_residual: a [B, HV, T] fp32
-    tensor that receives β − β rounded to Tm's dtype (module docstring). qk_rstd: a
-    [2, B, H, T] fp32 tensor that receives q's and k's 1 / sqrt(Σ x² + eps) per token (l2norm only).
+    tensor that receives β − β rounded to Tm's dtype (module docstring). qk_rstd: with l2norm, a
+    [2, B, H, T] fp32 tensor that receives q's and k's 1 / sqrt(Σ x² + eps) per token (None: a
+    buffer of the launcher's own).
     num_warps is a tuning knob (scripts/bench_stages.py)."""
     B, T, H, K = q.shape
     HV = gcum.shape[2]
@@ -387,6 +383,8 @@ def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64, *, gate_bo
     Tm = torch.empty(B, T, HV, chunk_size, dtype=k.dtype, device=q.device)
     layout = dict(H=H, HV=HV, K=K, BT=chunk_size, BC=BC, SHIFT=SHIFT, PACKED=seqs.packed, L2NORM=l2norm)
     Dkk = Aqk  # read only where a diagonal block did not fit: never, for a bounded gate
+    if l2norm and qk_rstd is None:
+        qk_rstd = torch.empty(2, B, H, T, dtype=torch.float32, device=q.device)
     if not gate_bounded:
         Dkk = torch.empty(B, T, HV, BC, dtype=torch.float32, device=q.device)
         # An exact diagonal block keeps fp32 accuracy (three tf32 passes; FLA: plain fp32).
@@ -397,7 +395,7 @@ def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64, *, gate_bo
         q, k, gcum, beta, Aqk, Tm, Dkk, beta if beta_residual is None else beta_residual,
         beta if qk_rstd is None else qk_rstd, *seqs.pointers(Aqk), T, scale, **layout,
         CHECK_SPAN=not gate_bounded, BETA_SIGMOID=float(beta_sigmoid or 0.0),
-        BETA_RESIDUAL=beta_residual is not None, STORE_RSTD=l2norm and qk_rstd is not None,
+        BETA_RESIDUAL=beta_residual is not None,
         # Precision (module docstring). The interpreter ignores DOT_PRECISION and multiplies in fp32.
         DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", SPLIT_BF16=q.dtype == torch.bfloat16,
         num_warps=num_warps,
