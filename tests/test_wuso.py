@@ -79,6 +79,7 @@ def test_exports_sm90_cubin(dtype, K, with_state):
 
 @pytest.mark.parametrize("dtype,K,has_state,store_state,block_v,shape", [
     (torch.bfloat16, 128, True, False, 32, (1, 8192, 96)), (torch.bfloat16, 128, False, True, 64, (1, 8192, 96)),
+    (torch.bfloat16, 128, True, True, 16, (1, 65536, 16)),
     (torch.float16, 128, True, True, None, (1, 8192, 96)), (torch.float16, 64, False, True, 32, (1, 8192, 96)),
     (torch.bfloat16, 128, True, True, None, (3, 1000, 4)), (torch.float32, 64, True, False, None, (3, 1000, 4))])
 def test_exports_other_specialisations(dtype, K, has_state, store_state, block_v, shape):
@@ -189,7 +190,7 @@ def test_wuso_beta_residual():
 
 
 @gpu
-@pytest.mark.parametrize("block_v", [32, 64, 128])
+@pytest.mark.parametrize("block_v", [16, 32, 64, 128])
 def test_wuso_every_block_v(block_v):
     inputs, h0, ref_o, ref_s = stage4_case(2, 200, 2, 4, 128, torch.bfloat16, True, gate="softplus")
     o, s = run_poisoned(inputs, h0, block_v)
