@@ -1,14 +1,15 @@
 """Each stage of kda_forward alone, timed with do_bench at one shape, beside its bytes floor.
 
     python scripts/bench_stages.py [scripts/test.py shape options] [--intra-warps 2,4]
-                                   [--block-v 32,64,128] [--worker-warps 4,8] [--once]
+                                   [--block-v 32,64,128] [--worker-warps 4,8] [--prefetch 0,1] [--once]
 The stages are recorded from one real kda_forward on random inputs (Case.inputs, as the benchmark's),
 so each runs with exactly the arguments kda_forward gives it, in any configuration (--varlen,
 --config ...). A stage's floor is the bytes of its inputs and outputs over the copy bandwidth measured
 here. Stage 2 (with the inverse, stage 3) runs once per warp count asked for, stage 4 once per
-(block_v, worker warps) pair; the defaults are the launchers' own choices.
+(block_v, worker warps, prefetch) triple; the defaults are the launchers' own choices.
 """
 import argparse
+import itertools
 import os
 import sys
 
@@ -56,6 +57,8 @@ def main():
     p.add_argument("--intra-warps", type=ints, default=[None], help="stage 2 warp counts, e.g. 2,4")
     p.add_argument("--block-v", type=ints, default=[None], help="stage 4 V blocks to time, e.g. 32,64,128")
     p.add_argument("--worker-warps", type=ints, default=[None], help="stage 4 worker warps to time, e.g. 4,8")
+    p.add_argument("--prefetch", type=ints, default=[0], help="stage 4 without (0) and with (1) the next chunk's "
+                   "q, k, Γ prefetched, e.g. 0,1")
     p.add_argument("--once", action="store_true", help="run each stage once, untimed (for ncu)")
     own, rest = p.parse_known_args()
     c = case_from_args(bench_args(rest))
@@ -75,18 +78,17 @@ def main():
               nbytes(*args[:4], Aqk, Tm)) for w in own.intra_warps]
     launcher, args, kwargs, (o, _) = stages["wuso"]
     base_kernel = stage4.wuso_kernel
-    for bv in own.block_v:
-        for warps in own.worker_warps:
-            kernel = base_kernel if warps is None else base_kernel.replace_hints(num_worker_warps=warps)
-            label = f"wuso bv={bv or 'auto'} warps={warps or stage4.WORKER_WARPS}"
+    for bv, warps, prefetch in itertools.product(own.block_v, own.worker_warps, own.prefetch):
+        kernel = base_kernel if warps is None else base_kernel.replace_hints(num_worker_warps=warps)
+        label = f"wuso bv={bv or 'auto'} warps={warps or stage4.WORKER_WARPS}" + (" prefetch" if prefetch else "")
 
-            def run(kernel=kernel, bv=bv):
-                stage4.wuso_kernel = kernel
-                try:
-                    return launcher(*args, **{**kwargs, "block_v": bv})
-                finally:
-                    stage4.wuso_kernel = base_kernel
-            rows.append((label, run, nbytes(*args[:6], o)))
+        def run(kernel=kernel, bv=bv, prefetch=bool(prefetch)):
+            stage4.wuso_kernel = kernel
+            try:
+                return launcher(*args, **{**kwargs, "block_v": bv, "prefetch": prefetch})
+            finally:
+                stage4.wuso_kernel = base_kernel
+        rows.append((label, run, nbytes(*args[:6], o)))
     rows.append(("kda_forward", lambda: kda_forward(**a), 0))
 
     print(f"# {torch.cuda.get_device_name()}, {c.label}; copy bandwidth {bw / 1e12:.2f} TB/s")
