@@ -82,7 +82,7 @@ def run_packed(x, lens, scale, l2norm=False):
     bounds = [(a, b) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()) if b > a]
     gcum = packed_gcum(x["a"], lens)
     q, k, beta = x["q"], x["k"], x["beta"]
-    norms = torch.full((2, *q.shape[:1], q.shape[2], q.shape[1]), float("nan"), device=q.device) if l2norm else None
+    norms = torch.full((2, q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device) if l2norm else None
     Aqk, Tm = intra_chunk(q, k, gcum, beta, scale, gate_bounded=x["bounded"], l2norm=l2norm,
                           seqs=packed(cu.to(q.device), sum(lens), C), qk_rstd=norms)
     if l2norm:
@@ -112,7 +112,8 @@ def test_intra_packed_sequences(lens, gate, l2norm):
 
 def test_intra_l2norm():
     """l2norm over a fixed-length batch (grouped value heads): the same matrices as q and k
-    normalised beforehand, and every token's norms written for stage 4."""
+    normalised beforehand, and every token's norms written for stage 4 (or into a buffer of the
+    launcher's own when none is given)."""
     x = stage_inputs(2, 130, 2, 64, HV=4, gate="softplus", device=kernel_device(), seed=11)
     x = {**x, "k": 2 * x["k"] - 0.3}
     norms = torch.full((2, 2, 2, 130), float("nan"), device=x["q"].device)
@@ -121,6 +122,8 @@ def test_intra_l2norm():
     Aqk_n, Tm_n = intra_chunk(n(x["q"]), n(x["k"]), x["gcum"], x["beta"], 0.125)
     assert rel_err(Aqk, Aqk_n) < 2e-6 and rel_err(Tm, Tm_n) < 2e-6
     assert rel_err(norms, rstd(x["q"], x["k"])) < 1e-6
+    Aqk_o, Tm_o = intra_chunk(x["q"], x["k"], x["gcum"], x["beta"], 0.125, l2norm=True)
+    assert torch.equal(Aqk_o, Aqk) and torch.equal(Tm_o, Tm)
 
 
 @pytest.mark.parametrize("scale", [1.0, 2.0])
