@@ -116,7 +116,7 @@ def test_exports_beta_residual(seqs):
                               state_dtype=torch.bfloat16, beta_residual=True))
 
 
-@pytest.mark.parametrize("block_v,seqs", [(16, None), (32, (64, torch.int32)), (None, None)])
+@pytest.mark.parametrize("block_v,seqs", [(16, None), (32, (64, torch.int32)), (128, None)])
 def test_exports_prefetch(block_v, seqs):
     """The next chunk's q, k and Γ loaded during this one: fits in shared memory at every block width
     (FlashKDA's call, its largest specialisation)."""
