@@ -132,13 +132,12 @@ def kda_forward(
         A_log = dt_bias = None
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
 
-    T = q.shape[1]
+    B, T, H, _ = q.shape
+    HV = v.shape[2]
     l2norm = use_qk_l2norm_in_kernel
     beta_sigmoid = (2.0 if allow_neg_eigval else 1.0) if use_beta_sigmoid_in_kernel else None
     # Tm (k's dtype) holds β on its diagonal: where β is not a number of that dtype, stage 4 adds back
     # what its rounding lost (kda_opt/intra, "β's residual").
-    B, _, H, _ = q.shape
-    HV = v.shape[2]
     residual = None
     if k.dtype != torch.float32 and (use_beta_sigmoid_in_kernel or beta.dtype != k.dtype):
         residual = q.new_empty((B, HV, T), dtype=torch.float32)

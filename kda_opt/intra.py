@@ -192,10 +192,10 @@ def _row_block(q, k, gcum, beta, Aqk, Dkk, rstd, rstd_plane, t0, R: tl.constexpr
                BETA_SIGMOID: tl.constexpr):
     """Row block R of the chunk at t0 against its first BTC ≥ 16(R + 1) columns. Stores the block's
     Aqk rows (whole rows, zero past BTC, the diagonal block left to diagonal_exact_kernel where it
-    did not fit) and, if L2NORM, its rows' q and k norms (rstd[0], rstd[rstd_plane]); returns
-    its Akk rows [BC, BTC] (β applied, zero on and above the diagonal),
-    whether its diagonal block came from the product (fits), and if not the exact one from Dkk
-    [BC, BC]. A block starting past T is all zero."""
+    did not fit) and, if L2NORM, its rows' q and k norms (rstd[0], rstd[rstd_plane]); returns its
+    Akk rows [BC, BTC] (β applied, zero on and above the diagonal), whether its diagonal block came
+    from the product (fits), and if not the exact one from Dkk [BC, BC]. A block starting past T is
+    all zero."""
     n = t0 + R * BC                                   # the block's first row
     o_i = tl.arange(0, BC)
     o_t = n + o_i
@@ -372,8 +372,7 @@ def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64, *, gate_bo
     logits and β = beta_sigmoid · sigmoid(beta) (None: beta is β). beta_residual: a [B, HV, T] fp32
     tensor that receives β − β rounded to Tm's dtype (module docstring). qk_rstd: with l2norm, a
     [2, B, H, T] fp32 tensor that receives q's and k's 1 / sqrt(Σ x² + eps) per token (None: a
-    buffer of the launcher's own).
-    num_warps is a tuning knob (scripts/bench_stages.py)."""
+    buffer of the launcher's own). num_warps is a tuning knob (scripts/bench_stages.py)."""
     B, T, H, K = q.shape
     HV = gcum.shape[2]
     if chunk_size != 4 * BC:

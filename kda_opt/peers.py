@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from .seqs import num_sequences
+
 FLASHKDA_CONFIGURATION = ("K = V = 128, bf16, HV = H, the gate in kernel with lower_bound and A_log, q/k "
                           "l2norm and beta sigmoid in kernel (no allow_neg_eigval), states [N, H, V, K]")
 
@@ -38,7 +40,7 @@ def flashkda(args):
     import flash_kda
     B, _, H, K = q.shape
     cu_seqlens = args.get("cu_seqlens")
-    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    N = num_sequences(B, cu_seqlens)
     out = torch.empty_like(v)
     # FlashKDA writes the final state in the initial state's dtype (fp32 when there is none).
     final = None

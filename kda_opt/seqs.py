@@ -34,6 +34,11 @@ class Seqs:
         return (self.cu_seqlens, self.chunk_indices) if self.packed else (fallback, fallback)
 
 
+def num_sequences(B: int, cu_seqlens: torch.Tensor | None) -> int:
+    """N: the B batch entries, or the sequences cu_seqlens [N + 1] packs into the one entry."""
+    return B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
 def fixed(T: int, chunk_size: int) -> Seqs:
     """B sequences of T tokens each: the chunk slots of one (the grid covers B·HV of them)."""
     return Seqs(chunk_slots=triton.cdiv(T, chunk_size))

@@ -21,6 +21,8 @@ import functools
 import cuda.tile as ct
 import torch
 
+from .seqs import num_sequences
+
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
 ZERO = ct.PaddingMode.ZERO
@@ -169,15 +171,13 @@ def launch_config(q, k, v, gcum, Tm, Aqk, scale, initial_state, o, final_state, 
     """(grid, kernel arguments) of one launch: the one place both the launcher and the export test
     (tests/test_wuso.py, on meta tensors) take the kernel's specialisation from."""
     B, _, HV, V = v.shape
-    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    absent = lambda x, ndim: _absent(v.device, ndim, torch.float32) if x is None else x
+    absent = lambda x, ndim, dtype=torch.float32: _absent(v.device, ndim, dtype) if x is None else x
     args = (q, k, v, gcum, Tm, Aqk, absent(beta_residual, 3), absent(qk_rstd, 4), absent(initial_state, 4), o,
-            absent(final_state, 4),
-            _absent(v.device, 1, torch.int32) if cu_seqlens is None else cu_seqlens, float(scale),
+            absent(final_state, 4), absent(cu_seqlens, 1, torch.int32), float(scale),
             q.shape[-1], block_v, chunk_size, initial_state is not None, final_state is not None,
             q.dtype == torch.bfloat16, cu_seqlens is not None, qk_rstd is not None, state_v_first,
             beta_residual is not None, prefetch)
-    return (V // block_v, N * HV, 1), args
+    return (V // block_v, num_sequences(B, cu_seqlens) * HV, 1), args
 
 
 def wuso(q, k, v, gcum, Tm, Aqk, scale: float, initial_state=None, output_final_state=False,
@@ -192,7 +192,7 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, initial_state=None, output_final_
     this one computes, a tuning knob not yet measured (scripts/bench_stages.py --prefetch)."""
     B, _, HV, V = v.shape
     K = q.shape[-1]
-    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    N = num_sequences(B, cu_seqlens)
     o = torch.empty_like(v)
     final = None
     if output_final_state:
