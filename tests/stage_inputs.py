@@ -5,6 +5,7 @@ import math
 import torch
 
 from kda_opt import reference as ref
+from kda_opt.options import L2NORM_EPS
 
 
 def stage_inputs(B, T, H, K, V=None, HV=None, gate="safe", dtype=torch.float32, device="cpu", seed=0):
@@ -23,3 +24,9 @@ def stage_inputs(B, T, H, K, V=None, HV=None, gate="safe", dtype=torch.float32, 
     to = lambda t: t.to(device=device, dtype=dtype)
     return dict(q=to(q), k=to(k), v=to(v), beta=to(beta), a=a, gamma=gamma,
                 gcum=(gamma / math.log(2.0)).float(), bounded=gate == "safe")
+
+
+def qk_rstd(q, k):
+    """[2, B, H, T] float64: 1 / sqrt(Σ x² + eps) of every q and k row, the norms stage 2 writes
+    for stage 4 (use_qk_l2norm_in_kernel)."""
+    return torch.stack([(x.double().pow(2).sum(-1) + L2NORM_EPS).rsqrt().transpose(1, 2) for x in (q, k)])

@@ -184,6 +184,14 @@ def pack(args, lens):
         yield a, b, one
 
 
+def assert_each_alone(args, lens, o, s):
+    """o and the final states s of a packed call are what each sequence gives run alone through
+    kda_forward (the same chunks: rounding apart, the same numbers)."""
+    for n, (a, b, one) in enumerate(pack(args, lens)):
+        o1, s1 = kda_forward(**one)
+        assert rel_err(o[:, a:b], o1) < 2e-3 and rel_err(s[n:n + 1], s1) < 1e-4, n
+
+
 PACKED_LENS = [[1, 63, 64, 65, 333, 7], [1000], [130, 1, 64, 4000]]
 
 
@@ -202,9 +210,7 @@ def test_forward_packed(lens, gate, H, HV):
     err_o, bound_o = bound(lambda: rel_err(o, ref_o), lambda: rel_err(fla()[0], ref_o))
     err_s, bound_s = bound(lambda: rel_err(s, ref_s), lambda: rel_err(fla()[1], ref_s))
     assert err_o <= max(bound_o, 5e-3) and err_s <= max(bound_s, 5e-3), (err_o, err_s)
-    for n, (a, b, one) in enumerate(pack(args, lens)):
-        o1, s1 = kda_forward(**one)
-        assert rel_err(o[:, a:b], o1) < 2e-3 and rel_err(s[n:n + 1], s1) < 1e-4, n
+    assert_each_alone(args, lens, o, s)
 
 
 @gpu
@@ -372,16 +378,14 @@ def test_forward_captures_in_a_cuda_graph():
 @gpu
 @pytest.mark.parametrize("lens", PACKED_LENS[::2])
 def test_forward_packed_flashkda_configuration(lens):
-    """FlashKDA's call on packed sequences (stage 2 hands β and the q/k norms to stage 4 per token):
+    """FlashKDA's call on packed sequences (stage 2 hands β's residual and the q/k norms to stage 4 per token):
     within SPEC §5's floor of the float64 recurrence, and each sequence run alone gives the same numbers."""
     args = random_inputs(1, sum(lens), 4, 128, seqlens=lens, initial_state=True, l2norm=True, beta_logits=True,
                          state_v_first=True, seed=24)
     o, s = kda_forward(**args)
     ref_o, ref_s = reference_forward(**args, method="chunked")
     assert rel_err(o, ref_o) <= 5e-3 and rel_err(s, ref_s) <= 5e-3
-    for n, (a, b, one) in enumerate(pack(args, lens)):
-        o1, s1 = kda_forward(**one)
-        assert rel_err(o[:, a:b], o1) < 2e-3 and rel_err(s[n:n + 1], s1) < 1e-4, n
+    assert_each_alone(args, lens, o, s)
 
 
 @gpu

@@ -11,10 +11,9 @@ import torch
 
 from kda_opt import reference as ref
 from kda_opt.intra import intra_chunk
-from kda_opt.options import L2NORM_EPS
 from kda_opt.seqs import packed
 from tests.conftest import gpu, kernel_device, rel_err
-from tests.stage_inputs import stage_inputs
+from tests.stage_inputs import qk_rstd, stage_inputs
 
 C = 64
 
@@ -61,11 +60,6 @@ def assert_structure(Aqk, Tm, beta, T, lens=None):
     assert ((diag - beta).abs() <= torch.finfo(Tm.dtype).eps * beta).all()
 
 
-def rstd(q, k):
-    """[2, B, H, T]: 1 / sqrt(Σ x² + eps) of every q and k row, as stage 2 writes them (float64)."""
-    return torch.stack([(x.double().pow(2).sum(-1) + L2NORM_EPS).rsqrt().transpose(1, 2) for x in (q, k)])
-
-
 def packed_gcum(a, lens):
     """Γ / ln 2 (fp32) of the log-decay a [1, T, HV, K] for sequences of `lens` packed along T, each
     summed from its own first token."""
@@ -86,7 +80,7 @@ def run_packed(x, lens, scale, l2norm=False):
     Aqk, Tm = intra_chunk(q, k, gcum, beta, scale, gate_bounded=x["bounded"], l2norm=l2norm,
                           seqs=packed(cu.to(q.device), sum(lens), C), qk_rstd=norms)
     if l2norm:
-        assert rel_err(norms, rstd(q, k)) < 1e-6
+        assert rel_err(norms, qk_rstd(q, k)) < 1e-6
     rq, rk = (ref.l2norm(q), ref.l2norm(k)) if l2norm else (q, k)
     rAqk, rTm = [], []
     for a, b in bounds:
@@ -121,7 +115,7 @@ def test_intra_l2norm():
     n = lambda t: ref.l2norm(t).float()
     Aqk_n, Tm_n = intra_chunk(n(x["q"]), n(x["k"]), x["gcum"], x["beta"], 0.125)
     assert rel_err(Aqk, Aqk_n) < 2e-6 and rel_err(Tm, Tm_n) < 2e-6
-    assert rel_err(norms, rstd(x["q"], x["k"])) < 1e-6
+    assert rel_err(norms, qk_rstd(x["q"], x["k"])) < 1e-6
     Aqk_o, Tm_o = intra_chunk(x["q"], x["k"], x["gcum"], x["beta"], 0.125, l2norm=True)
     assert torch.equal(Aqk_o, Aqk) and torch.equal(Tm_o, Tm)
 

@@ -9,10 +9,9 @@ import torch
 import cuda.tile as ct
 from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint, export_kernel
 from kda_opt import reference as ref
-from kda_opt.options import L2NORM_EPS
 from kda_opt.wuso import block_v_for, launch_config, wuso, wuso_kernel
 from tests.conftest import gpu, rel_err
-from tests.stage_inputs import stage_inputs
+from tests.stage_inputs import qk_rstd, stage_inputs
 
 CT_DTYPES = {torch.bfloat16: ct.bfloat16, torch.float16: ct.float16, torch.float32: ct.float32,
              torch.int32: ct.int32, torch.int64: ct.int64}
@@ -152,15 +151,10 @@ def stage4_case(B, T, H, HV, K, dtype, with_state, gate="safe", seed=0, V=None, 
     return inputs, h0, ref_o, ref_s
 
 
-def rstd(q, k):
-    """[2, B, H, T] fp32: 1 / sqrt(Σ x² + eps) of every q and k row, what stage 2 hands stage 4."""
-    return torch.stack([(x.float().pow(2).sum(-1) + L2NORM_EPS).rsqrt().transpose(1, 2) for x in (q, k)]).contiguous()
-
-
 def run_poisoned(inputs, h0, block_v=None, cu_seqlens=None, l2norm=False, state_v_first=False, beta_residual=None,
                  prefetch=False):
     """One launch into NaN-filled o and final state, so that any element the kernel skips fails.
-    l2norm: q and k rows normalised with their norms (rstd)."""
+    l2norm: q and k rows normalised with their norms (stage 2's, computed here: qk_rstd)."""
     q, v = inputs[0], inputs[2]
     B, _, HV, V = v.shape
     K = q.shape[-1]
@@ -170,7 +164,7 @@ def run_poisoned(inputs, h0, block_v=None, cu_seqlens=None, l2norm=False, state_
     o = torch.full_like(v, float("nan"))
     final = torch.full((N, HV, V, K) if state_v_first else (N, HV, K, V), float("nan"), device=v.device)
     grid, args = launch_config(*inputs, h0, o, final, block_v, cu_seqlens=cu_seqlens,
-                               qk_rstd=rstd(inputs[0], inputs[1]) if l2norm else None,
+                               qk_rstd=qk_rstd(*inputs[:2]).float().contiguous() if l2norm else None,
                                state_v_first=state_v_first, beta_residual=beta_residual, prefetch=prefetch)
     ct.launch(torch.cuda.current_stream(), grid, wuso_kernel, args)
     return o, final
