@@ -39,13 +39,13 @@ NAIVE_BUDGET = 2 ** 33
 # The sweep, K = V = 128, each row in every gate mode: (B, T, H) of SPEC §5 and §7; then packed
 # sequences at T ≈ 8192 per sequence: issue 8's mix (NUM_SEQS lengths uniform in [MIN_SEQ_LEN, 8192],
 # seed 0) at H = 32, and SPEC §7's two mixes at H = 96; then, in the default configuration, the
-# default shape with q/k l2norm.
-SWEEP_SHAPES = list(dict.fromkeys([(1, 8192, 96), (1, 2048, 16), (8, 4096, 32), (1, 32768, 32),
-                                   (2, 16384, 64), (1, 8192, 64), (1, 65536, 16)]
-                                  + [(1, 1024 * 2 ** i, 32) for i in range(7)]))
+# default shape with q/k l2norm. SPEC §7's rows (the peers' table) are also a set of their own.
+PEER_SHAPES = [(1, 8192, 96), (1, 8192, 64), (8, 4096, 32), (2, 16384, 64), (1, 32768, 32), (1, 65536, 16),
+               (1, 2048, 16)]
+PEER_PACKED = [((1300, 547, 2048, 963, 271, 3063), 96), ((1024,) * 8, 96)]
+SWEEP_SHAPES = list(dict.fromkeys(PEER_SHAPES + [(1, 1024 * 2 ** i, 32) for i in range(7)]))
 MIN_SEQ_LEN, NUM_SEQS = 64, 64
-SWEEP_PACKED = [("drawn", 32), ((1300, 547, 2048, 963, 271, 3063), 96), ((1024,) * 8, 96)]
-
+SWEEP_PACKED = [("drawn", 32)] + PEER_PACKED
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -123,9 +123,10 @@ def parse_args(argv=None):
     p.add_argument("--sweep-gates", help="gate modes the sweep runs (default safe,softplus; safe with "
                                          "--config flashkda); its rows replace those of the same case "
                                          "in an existing CSV, so a sweep can be run in parts")
-    p.add_argument("--sweep-rows", choices=["all", "shapes", "serving"], default="all",
+    p.add_argument("--sweep-rows", choices=["all", "shapes", "serving", "peers"], default="all",
                    help="which of the sweep's rows run: all; shapes (fixed-length SWEEP_SHAPES); serving "
-                        "(the packed mixes and the l2norm row)")
+                        "(the packed mixes and the l2norm row); peers (SPEC §7's rows: PEER_SHAPES, then "
+                        "PEER_PACKED)")
     p.add_argument("--out-dir", default="profiles", help="where --sweep writes its CSV and PNG")
     args = p.parse_args(argv)
     if args.chunk_size != 64:
@@ -168,13 +169,16 @@ def case_from_args(args, B=None, T=None, H=None, gate=None):
 
 
 def sweep_cases(args):
-    """The sweep's rows (SWEEP_SHAPES, SWEEP_PACKED, the l2norm row; --sweep-rows picks) in --config,
-    per gate mode."""
+    """The sweep's rows (SWEEP_SHAPES, SWEEP_PACKED, the l2norm row; or PEER_SHAPES and PEER_PACKED:
+    --sweep-rows picks) in --config, per gate mode."""
     base = Case(1, 8192, 96, args.head_dim, "safe", args.lower_bound, DTYPES[args.dtype], args.seed,
                 config=args.config)
     cases = []
     for gate in args.sweep_gates.split(","):
         at = lambda **kw: dataclasses.replace(base, gate=gate, **kw)
+        if args.sweep_rows == "peers":
+            cases += [at(B=B, T=T, H=H) for B, T, H in PEER_SHAPES]
+            cases += [at(T=sum(lens), H=H, seqlens=lens) for lens, H in PEER_PACKED]
         if args.sweep_rows in ("all", "shapes"):
             cases += [at(B=B, T=T, H=H) for B, T, H in SWEEP_SHAPES]
         if args.sweep_rows in ("all", "serving"):

@@ -38,14 +38,6 @@ BLOCK_V_CHOICES = (32, 64, 128)
 WORKER_WARPS = 8
 
 
-def _qkg(Q, Kx, G, i_b, i_t, i_h, i_hv, C, K):
-    """Chunk i_t's q, k [C, K] (q/k head i_h) and Γ [C, K] (value head i_hv), zero past the end."""
-    q = ct.load(Q, index=(i_b, i_t, i_h, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
-    k = ct.load(Kx, index=(i_b, i_t, i_h, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
-    g = ct.load(G, index=(i_b, i_t, i_hv, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
-    return q, k, g
-
-
 # The algorithm of FLA's three forward steps after the solve, fused: recompute_w_u_fwd
 # (fla/ops/kda/wy_fast.py), chunk_gated_delta_rule_fwd_h (fla/ops/common/chunk_delta_h.py) and
 # chunk_gla_fwd_o_gk (fla/ops/gla/chunk.py); S never leaves the chip and W, U never exist.
@@ -53,7 +45,7 @@ def _qkg(Q, Kx, G, i_b, i_t, i_h, i_hv, C, K):
 def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, scale: float,
                 K: ConstInt, BV: ConstInt, C: ConstInt, HAS_S0: ConstBool, STORE_SF: ConstBool,
                 SPLIT_V: ConstBool, PACKED: ConstBool, L2NORM: ConstBool, V_FIRST: ConstBool,
-                BETA_RESIDUAL: ConstBool, PREFETCH: ConstBool):
+                BETA_RESIDUAL: ConstBool):
     i_v, i_nh = ct.bid(0), ct.bid(1)
     H, HV = Q.shape[2], Vx.shape[2]
     i_n, i_hv = i_nh // HV, i_nh % HV                         # sequence, value head
@@ -69,12 +61,10 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, scale: float,
         eos = min(max(ct.load(CU, index=(i_n + 1,), shape=(1,)).astype(ct.int32).item(), bos), T_all)
         start = min(bos, T_all - 1)                           # a view must start inside the array
         stop = start + eos - bos
-        # q, k and Γ are viewed through at least one row: PREFETCH loads chunk 0 before the loop,
-        # which an empty sequence never enters.
-        Q = Q.slice(axis=1, start=start, stop=max(stop, start + 1))
-        Kx = Kx.slice(axis=1, start=start, stop=max(stop, start + 1))
+        Q = Q.slice(axis=1, start=start, stop=stop)
+        Kx = Kx.slice(axis=1, start=start, stop=stop)
         Vx = Vx.slice(axis=1, start=start, stop=stop)
-        G = G.slice(axis=1, start=start, stop=max(stop, start + 1))
+        G = G.slice(axis=1, start=start, stop=stop)
         TM = TM.slice(axis=1, start=start, stop=stop)
         AQK = AQK.slice(axis=1, start=start, stop=stop)
         if BETA_RESIDUAL:
@@ -83,7 +73,7 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, scale: float,
             RSTD = RSTD.slice(axis=3, start=start, stop=stop)
         O = O.slice(axis=1, start=start, stop=stop)
         i_b = 0
-    T = O.shape[1]
+    T = Q.shape[1]
     dt = Q.dtype                                              # mma operand dtype; fp32 stays fp32
     # States [N, HV, K, V], or [N, HV, V, K] (V_FIRST): the tiles are [K, BV] either way.
     state_order = (0, 1, 3, 2) if V_FIRST else (0, 1, 2, 3)
@@ -91,18 +81,11 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, scale: float,
         S = ct.load(S0, index=(i_n, i_hv, 0, i_v), shape=(1, 1, K, BV), order=state_order).reshape((K, BV)).astype(F32)
     else:
         S = ct.zeros((K, BV), dtype=F32)
-    n_t = ct.cdiv(T, C)
-    if PREFETCH:
-        # The next chunk's q, k and Γ are loaded while this one computes (a second buffer of them
-        # in shared memory): at small B·H each CTA's chain of chunks is latency-bound.
-        q_n, k_n, g_n = _qkg(Q, Kx, G, i_b, 0, i_h, i_hv, C, K)
-    for i_t in range(n_t):
+    for i_t in range(ct.cdiv(T, C)):
         # Rows past T (tail chunk) load as zeros, so they add nothing; the O store drops them.
-        if PREFETCH:
-            q, k, g = q_n, k_n, g_n
-            q_n, k_n, g_n = _qkg(Q, Kx, G, i_b, min(i_t + 1, n_t - 1), i_h, i_hv, C, K)
-        else:
-            q, k, g = _qkg(Q, Kx, G, i_b, i_t, i_h, i_hv, C, K)
+        q = ct.load(Q, index=(i_b, i_t, i_h, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
+        k = ct.load(Kx, index=(i_b, i_t, i_h, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
+        g = ct.load(G, index=(i_b, i_t, i_hv, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
         v = ct.load(Vx, index=(i_b, i_t, i_hv, i_v), shape=(1, C, 1, BV), padding_mode=ZERO).reshape((C, BV))
         tm = ct.load(TM, index=(i_b, i_t, i_hv, 0), shape=(1, C, 1, C), padding_mode=ZERO).reshape((C, C))
         aqk = ct.load(AQK, index=(i_b, i_t, i_hv, 0), shape=(1, C, 1, C), padding_mode=ZERO).reshape((C, C))
@@ -167,7 +150,7 @@ def _absent(device: torch.device, ndim: int, dtype: torch.dtype) -> torch.Tensor
 
 
 def launch_config(q, k, v, gcum, Tm, Aqk, scale, initial_state, o, final_state, block_v, chunk_size=64,
-                  cu_seqlens=None, qk_rstd=None, state_v_first=False, beta_residual=None, prefetch=False):
+                  cu_seqlens=None, qk_rstd=None, state_v_first=False, beta_residual=None):
     """(grid, kernel arguments) of one launch: the one place both the launcher and the export test
     (tests/test_wuso.py, on meta tensors) take the kernel's specialisation from."""
     B, _, HV, V = v.shape
@@ -176,20 +159,19 @@ def launch_config(q, k, v, gcum, Tm, Aqk, scale, initial_state, o, final_state, 
             absent(final_state, 4), absent(cu_seqlens, 1, torch.int32), float(scale),
             q.shape[-1], block_v, chunk_size, initial_state is not None, final_state is not None,
             q.dtype == torch.bfloat16, cu_seqlens is not None, qk_rstd is not None, state_v_first,
-            beta_residual is not None, prefetch)
+            beta_residual is not None)
     return (V // block_v, num_sequences(B, cu_seqlens) * HV, 1), args
 
 
 def wuso(q, k, v, gcum, Tm, Aqk, scale: float, initial_state=None, output_final_state=False,
          chunk_size: int = 64, block_v: int | None = None, cu_seqlens=None, qk_rstd=None,
-         state_v_first: bool = False, beta_residual=None, prefetch: bool = False):
+         state_v_first: bool = False, beta_residual=None):
     """Stage 4 on the current stream: o [B, T, HV, V] (v's dtype) and the final state [N, HV, K, V]
     fp32, or None unless output_final_state. Inputs as in the module docstring, contiguous (kda_forward
     validates them); cu_seqlens [N + 1] packs N sequences into the one batch entry. block_v: V columns
     per program; None picks it with block_v_for. qk_rstd: stage 2's [2, B, H, T] fp32 norms (l2norm),
     or None. state_v_first: the initial and final states are [N, HV, V, K]. beta_residual: stage 2's
-    r [B, HV, T] fp32 (module docstring), or None. prefetch: load the next chunk's q, k and Γ while
-    this one computes, a tuning knob not yet measured (scripts/bench_stages.py --prefetch)."""
+    r [B, HV, T] fp32 (module docstring), or None."""
     B, _, HV, V = v.shape
     K = q.shape[-1]
     N = num_sequences(B, cu_seqlens)
@@ -201,6 +183,6 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, initial_state=None, output_final_
         sms = torch.cuda.get_device_properties(v.device).multi_processor_count
         block_v = block_v_for(N * HV, V, sms, q.dtype)
     grid, args = launch_config(q, k, v, gcum, Tm, Aqk, scale, initial_state, o, final, block_v, chunk_size,
-                               cu_seqlens, qk_rstd, state_v_first, beta_residual, prefetch)
+                               cu_seqlens, qk_rstd, state_v_first, beta_residual)
     ct.launch(torch.cuda.current_stream(), grid, wuso_kernel, args)
     return o, final

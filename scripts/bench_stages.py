@@ -1,17 +1,19 @@
 """Each stage of kda_forward alone, timed with do_bench at one shape, beside its bytes floor.
 
     python scripts/bench_stages.py [scripts/test.py shape options] [--intra-warps 2,4]
-                                   [--block-v 32,64,128] [--worker-warps 4,8] [--prefetch 0,1] [--once]
+                                   [--block-v 32,64,128] [--worker-warps 4,8] [--once]
 The stages are recorded from one real kda_forward on random inputs (Case.inputs, as the benchmark's),
 so each runs with exactly the arguments kda_forward gives it, in any configuration (--varlen,
 --config ...). A stage's floor is the bytes of its inputs and outputs over the copy bandwidth measured
-here. Stage 2 (with the inverse, stage 3) runs once per warp count asked for, stage 4 once per
-(block_v, worker warps, prefetch) triple; the defaults are the launchers' own choices.
+here; `first s` is its first call's seconds, compiles included. Stage 2 (with the inverse, stage 3)
+runs once per warp count asked for, stage 4 once per (block_v, worker warps) pair; the defaults are the
+launchers' own choices.
 """
 import argparse
 import itertools
 import os
 import sys
+import time
 
 import torch
 from triton.testing import do_bench
@@ -52,13 +54,44 @@ def record_stages(call):
     return calls
 
 
+def replay(record, **extra):
+    """A call that runs one recorded stage launch again, with `extra` keyword arguments on top."""
+    launcher, args, kwargs, _ = record
+    return lambda: launcher(*args, **{**kwargs, **extra})
+
+
+def stage_rows(stages, intra_warps, block_v, worker_warps):
+    """[(label, call, bytes)]: each recorded stage (record_stages) once, stage 2 once per warp count,
+    stage 4 once per (block_v, worker warps); None in a list is the launcher's own choice."""
+    rows = []
+    if "packed" in stages:
+        rows.append(("seqs (chunk table)", replay(stages["packed"]), 0))
+    _, args, _, gcum = stages["gate_cumsum"]
+    rows.append(("gate", replay(stages["gate_cumsum"]), nbytes(args[0], gcum)))
+    _, args, _, (Aqk, Tm) = stages["intra_chunk"]
+    rows += [(f"intra warps={w or 'default'}", replay(stages["intra_chunk"], **({"num_warps": w} if w else {})),
+              nbytes(*args[:4], Aqk, Tm)) for w in intra_warps]
+    _, args, _, (o, _) = stages["wuso"]
+    base_kernel = stage4.wuso_kernel
+    for bv, warps in itertools.product(block_v, worker_warps):
+        kernel = base_kernel if warps is None else base_kernel.replace_hints(num_worker_warps=warps)
+        label = f"wuso bv={bv or 'auto'} warps={warps or stage4.WORKER_WARPS}"
+
+        def run(call=replay(stages["wuso"], block_v=bv), kernel=kernel):
+            stage4.wuso_kernel = kernel
+            try:
+                return call()
+            finally:
+                stage4.wuso_kernel = base_kernel
+        rows.append((label, run, nbytes(*args[:6], o)))
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--intra-warps", type=ints, default=[None], help="stage 2 warp counts, e.g. 2,4")
     p.add_argument("--block-v", type=ints, default=[None], help="stage 4 V blocks to time, e.g. 32,64,128")
     p.add_argument("--worker-warps", type=ints, default=[None], help="stage 4 worker warps to time, e.g. 4,8")
-    p.add_argument("--prefetch", type=ints, default=[0], help="stage 4 without (0) and with (1) the next chunk's "
-                   "q, k, Γ prefetched, e.g. 0,1")
     p.add_argument("--once", action="store_true", help="run each stage once, untimed (for ncu)")
     own, rest = p.parse_known_args()
     c = case_from_args(bench_args(rest))
@@ -66,41 +99,21 @@ def main():
     bw, _ = measure_ceilings()
     stages = record_stages(lambda: kda_forward(**a))
 
-    rows = []
-    if "packed" in stages:
-        launcher, args, kwargs, _ = stages["packed"]
-        rows.append(("seqs (chunk table)", lambda: launcher(*args, **kwargs), 0))
-    launcher, args, kwargs, gcum = stages["gate_cumsum"]
-    rows.append(("gate", lambda: launcher(*args, **kwargs), nbytes(args[0], gcum)))
-    launcher, args, kwargs, (Aqk, Tm) = stages["intra_chunk"]
-    rows += [(f"intra warps={w or 'default'}",
-              lambda w=w: launcher(*args, **kwargs, **({"num_warps": w} if w else {})),
-              nbytes(*args[:4], Aqk, Tm)) for w in own.intra_warps]
-    launcher, args, kwargs, (o, _) = stages["wuso"]
-    base_kernel = stage4.wuso_kernel
-    for bv, warps, prefetch in itertools.product(own.block_v, own.worker_warps, own.prefetch):
-        kernel = base_kernel if warps is None else base_kernel.replace_hints(num_worker_warps=warps)
-        label = f"wuso bv={bv or 'auto'} warps={warps or stage4.WORKER_WARPS}" + (" prefetch" if prefetch else "")
-
-        def run(kernel=kernel, bv=bv, prefetch=bool(prefetch)):
-            stage4.wuso_kernel = kernel
-            try:
-                return launcher(*args, **{**kwargs, "block_v": bv, "prefetch": prefetch})
-            finally:
-                stage4.wuso_kernel = base_kernel
-        rows.append((label, run, nbytes(*args[:6], o)))
+    rows = stage_rows(stages, own.intra_warps, own.block_v, own.worker_warps)
     rows.append(("kda_forward", lambda: kda_forward(**a), 0))
 
     print(f"# {torch.cuda.get_device_name()}, {c.label}; copy bandwidth {bw / 1e12:.2f} TB/s")
-    print(f"{'stage':<28} {'ms':>8} {'floor ms':>9} {'GB':>6}")
+    print(f"{'stage':<28} {'ms':>8} {'floor ms':>9} {'GB':>6} {'first s':>8}")
     for name, f, n in rows:
+        t0 = time.perf_counter()
         f()
         torch.cuda.synchronize()
+        first = time.perf_counter() - t0
         if own.once:
             continue
         ms = sorted(do_bench(f, warmup=25, rep=100, return_mode="median") for _ in range(3))[1]
         floor = f"{n / bw * 1e3:9.3f}" if n else f"{'':>9}"
-        print(f"{name:<28} {ms:8.3f} {floor} {n / 1e9:6.2f}", flush=True)
+        print(f"{name:<28} {ms:8.3f} {floor} {n / 1e9:6.2f} {first:8.1f}", flush=True)
 
 
 if __name__ == "__main__":

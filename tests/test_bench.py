@@ -148,6 +148,10 @@ def test_sweep_rows():
     shapes = bench.sweep_cases(bench.parse_args(["--sweep-rows", "shapes"]))
     assert serving == cases[per_gate - 4:per_gate] + cases[-4:]
     assert shapes == cases[:per_gate - 4] + cases[per_gate:-4]
+    peers = bench.sweep_cases(bench.parse_args(["--sweep-rows", "peers", "--sweep-gates", "safe"]))
+    assert [(c.B, c.T, c.H) for c in peers[:7]] == [(1, 8192, 96), (1, 8192, 64), (8, 4096, 32), (2, 16384, 64),
+                                                   (1, 32768, 32), (1, 65536, 16), (1, 2048, 16)]
+    assert peers[7:] == [mix6, mix8] and set(peers[:7]) <= set(cases[:per_gate])
 
 
 def test_sweep_in_flashkda_configuration():

@@ -36,3 +36,27 @@ def test_record_stages_keeps_each_launch_and_restores_the_launchers():
     assert kwargs == {"gate_bounded": True} and args[2] is gcum and Aqk.shape == (1, 70, 2, 64)
     assert torch.equal(launcher(*args, **kwargs)[1], Tm)        # re-running a record: the same stage
     assert all(getattr(forward, name) is fn for name, fn in launchers.items())
+
+
+def test_stage_rows_each_call_their_own_stage(monkeypatch):
+    ran = []
+
+    def launcher(name):
+        return lambda *args, **kwargs: ran.append((name, args, kwargs, bs.stage4.wuso_kernel))
+    x = torch.zeros(2)
+    stages = {"gate_cumsum": (launcher("gate"), (x,), {}, x),
+              "intra_chunk": (launcher("intra"), (x, x, x, x), {"gate_bounded": True}, (x, x)),
+              "wuso": (launcher("wuso"), (x,) * 6, {"block_v": None}, (x, None))}
+    kernel = bs.stage4.wuso_kernel
+    monkeypatch.setattr(kernel, "replace_hints", lambda **hints: hints, raising=False)
+    rows = bs.stage_rows(stages, [None, 8], [16, 32], [None, 4])
+    labels = [label for label, _, _ in rows]
+    assert labels == ["gate", "intra warps=default", "intra warps=8", "wuso bv=16 warps=8", "wuso bv=16 warps=4",
+                      "wuso bv=32 warps=8", "wuso bv=32 warps=4"]
+    for _, call, _ in rows:
+        call()
+    assert [name for name, *_ in ran] == ["gate", "intra", "intra"] + ["wuso"] * 4
+    assert ran[1][2] == {"gate_bounded": True} and ran[2][2] == {"gate_bounded": True, "num_warps": 8}
+    assert [kw["block_v"] for _, _, kw, _ in ran[3:]] == [16, 16, 32, 32]
+    assert [k for *_, k in ran[3:]] == [kernel, {"num_worker_warps": 4}] * 2
+    assert bs.stage4.wuso_kernel is kernel                    # the worker-warp variants are put back
