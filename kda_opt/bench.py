@@ -347,33 +347,54 @@ def write_csv(rows, path):
 
 
 def write_plot(rows, path, title, config="default"):
-    """ms vs T at H=32 (B=1, fixed length) in one configuration, for every system timed and both gate
-    modes, speedup over FLA on a second axis."""
+    """The sweep's rows in one configuration. Where FlashKDA was timed (its configuration): every case's
+    ms per system as bars, kda_opt's speedup over FlashKDA above its bar. Otherwise: ms vs T at H = 32
+    (B = 1, fixed length) for every system timed and both gate modes, speedup over FLA on a second axis."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=80)
+    rows = [r for r in ({**ROW_DEFAULTS, **r} for r in rows) if r["config"] == config]
+    peer_rows = [r for r in rows if r["flashkda_ms"] != NOT_RUN]
+    fig, ax = plt.subplots(figsize=(8, 4) if peer_rows else (7, 4), dpi=80)
+    (plot_cases if peer_rows else plot_scaling)(ax, peer_rows or rows, config)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_cases(ax, rows, config):
+    """Bars of FLA, kda_opt and FlashKDA ms per case (fixed-length shapes, then packed mixes)."""
+    rows = sorted(rows, key=lambda r: (r["varlen"], -r["H"], r["B"], r["T"]))
+    x = range(len(rows))
+    for i, (name, col, color) in enumerate((("FLA", "fla_ms", "tab:gray"), ("kda_opt", "kda_opt_ms", "tab:blue"),
+                                            ("FlashKDA", "flashkda_ms", "tab:red"))):
+        ax.bar([j + (i - 1) * 0.27 for j in x], [r[col] for r in rows], 0.27, color=color, label=name)
+    for j, r in enumerate(rows):
+        ax.annotate(f"{r['speedup_vs_flashkda']:.2f}×", (j, r["kda_opt_ms"]), ha="center", va="bottom", fontsize=7)
+    label = lambda r: (f"{r['varlen']} seqs\nT={r['T']}\nH={r['H']}" if r["varlen"]
+                       else f"{r['B']}×{r['T']}\nH={r['H']}")
+    ax.set_xticks(list(x), [label(r) for r in rows], fontsize=7)
+    ax.set(yscale="log", ylabel="ms", xlabel=f"B×T, H (K=V=128, {config}); above kda_opt: speedup over FlashKDA")
+    ax.legend(loc="upper left", fontsize=7)
+
+
+def plot_scaling(ax, rows, config):
+    """ms vs T at H = 32, B = 1, fixed length; speedup over FLA on a second axis."""
     ax2 = ax.twinx()
     for mode, style in (("safe", "-"), ("softplus", "--")):
-        pts = sorted((r["T"], r) for r in ({**ROW_DEFAULTS, **r} for r in rows)
-                     if r["mode"] == mode and r["H"] == 32 and r["B"] == 1 and not r["varlen"] and r["config"] == config)
+        pts = sorted((r["T"], r) for r in rows if r["mode"] == mode and r["H"] == 32 and r["B"] == 1 and not r["varlen"])
         if not pts:
             continue
         Ts = [t for t, _ in pts]
         ax.plot(Ts, [r["fla_ms"] for _, r in pts], "o" + style, color="tab:gray", label=f"FLA ({mode})")
         ax.plot(Ts, [r["kda_opt_ms"] for _, r in pts], "o" + style, color="tab:blue", label=f"kda_opt ({mode})")
-        peer = [(t, r["flashkda_ms"]) for t, r in pts if r["flashkda_ms"] != NOT_RUN]
-        if peer:
-            ax.plot(*zip(*peer), "s" + style, color="tab:red", label=f"FlashKDA ({mode})")
         ax2.plot(Ts, [r["speedup"] for _, r in pts], "x" + style, color="tab:green", label=f"speedup ({mode})")
-    ax.set(xscale="log", yscale="log", xlabel=f"T (B=1, H=32, K=V=128, {config})", ylabel="ms", title=title)
+    ax.set(xscale="log", yscale="log", xlabel=f"T (B=1, H=32, K=V=128, {config})", ylabel="ms")
     ax2.set_ylabel("speedup over FLA", color="tab:green")
     if ax.lines:  # an early partial sweep may have no H=32 rows yet
         ax.legend(loc="upper left", fontsize=7)
         ax2.legend(loc="lower right", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
 def gpu_tag():

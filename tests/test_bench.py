@@ -68,6 +68,20 @@ def test_plot_is_small(tmp_path):
     assert 0 < path.stat().st_size < 200_000
 
 
+def test_plot_of_flashkda_configuration_has_a_bar_per_system_and_case(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+    row = dict(B=1, T=8192, H=96, K=128, V=128, mode="safe", config="flashkda", fla_ms=3.2, kda_opt_ms=1.6,
+               speedup=2.0, flashkda_ms=1.5, speedup_vs_flashkda=0.94)
+    rows = [row, dict(row, varlen=6, kda_opt_ms=1.7), dict(row, config="default", flashkda_ms="n/a")]
+    bars, bar = [], matplotlib.axes.Axes.bar
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar",
+                        lambda self, x, h, *a, **kw: bars.append((kw["label"], h)) or bar(self, x, h, *a, **kw))
+    bench.write_plot(rows, tmp_path / "b.png", "test", "flashkda")
+    assert bars == [("FLA", [3.2, 3.2]), ("kda_opt", [1.6, 1.7]), ("FlashKDA", [1.5, 1.5])]
+    assert 0 < (tmp_path / "b.png").stat().st_size < 200_000
+
+
 def test_plot_before_any_h32_row(tmp_path, recwarn):
     """A sweep plots after its first shape, (1, 8192, 96): no H=32 line yet, and no legend warning."""
     pytest.importorskip("matplotlib")
