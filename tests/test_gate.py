@@ -38,6 +38,9 @@ def run_case(B, T, HV, K, mode, dtype, device, C=64):
     return rel_err(out, expected_gcum(g, gate, A_log, dt_bias, C))
 
 
+# Under the interpreter (numpy), sigmoid(x) of a very negative x overflows exp(−x) to inf and warns;
+# 1 / (1 + inf) = 0 is the right limit.
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 130])
 def test_gate_interpreter_or_gpu(mode, T):

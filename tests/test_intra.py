@@ -131,6 +131,9 @@ def test_intra_beta_logits(scale):
     assert rel_err(Aqk, Aqk_b) < 2e-6 and rel_err(Tm, Tm_b) < 2e-6
 
 
+# bf16 inputs under the interpreter: its bf16 tl.dot returns garbage, which overflows in the inverse
+# (numpy warns); only r, computed without products, is checked here.
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("B,seqlens", [(2, None), (1, (1, 64, 0, 100))])
 def test_intra_beta_residual(B, seqlens):
     """β that is not a number of Tm's dtype (fp32 β, bf16 Tm): every row's r = β − bf16(β) is written
