@@ -49,14 +49,17 @@ def test_stage_rows_each_call_their_own_stage(monkeypatch):
               "wuso": (launcher("wuso"), (x,) * 6, {"block_v": None}, (x, None))}
     kernel = bs.stage4.wuso_kernel
     monkeypatch.setattr(kernel, "replace_hints", lambda **hints: hints, raising=False)
-    rows = bs.stage_rows(stages, [None, 8], [16, 32], [None, 4])
+    rows = bs.stage_rows(stages, [None, 8], [None, 168], [16, 32], [None, 4])
     labels = [label for label, _, _ in rows]
-    assert labels == ["gate", "intra warps=default", "intra warps=8", "wuso bv=16 warps=8", "wuso bv=16 warps=4",
-                      "wuso bv=32 warps=8", "wuso bv=32 warps=4"]
+    assert labels == ["gate", "intra warps=default", "intra warps=default regs=168", "intra warps=8",
+                      "intra warps=8 regs=168", "wuso bv=16 warps=8", "wuso bv=16 warps=4", "wuso bv=32 warps=8",
+                      "wuso bv=32 warps=4"]
     for _, call, _ in rows:
         call()
-    assert [name for name, *_ in ran] == ["gate", "intra", "intra"] + ["wuso"] * 4
-    assert ran[1][2] == {"gate_bounded": True} and ran[2][2] == {"gate_bounded": True, "num_warps": 8}
-    assert [kw["block_v"] for _, _, kw, _ in ran[3:]] == [16, 16, 32, 32]
-    assert [k for *_, k in ran[3:]] == [kernel, {"num_worker_warps": 4}] * 2
+    assert [name for name, *_ in ran] == ["gate"] + ["intra"] * 4 + ["wuso"] * 4
+    assert [kw for _, _, kw, _ in ran[1:5]] == [{"gate_bounded": True}, {"gate_bounded": True, "max_registers": 168},
+                                               {"gate_bounded": True, "num_warps": 8},
+                                               {"gate_bounded": True, "num_warps": 8, "max_registers": 168}]
+    assert [kw["block_v"] for _, _, kw, _ in ran[5:]] == [16, 16, 32, 32]
+    assert [k for *_, k in ran[5:]] == [kernel, {"num_worker_warps": 4}] * 2
     assert bs.stage4.wuso_kernel is kernel                    # the worker-warp variants are put back

@@ -204,14 +204,14 @@ def test_intra_unbounded_gate_never_overflows(name, a):
     assert_structure(Aqk, Tm, x["beta"], 130)
 
 
-@pytest.mark.parametrize("num_warps", [2, 8])
-def test_intra_tuning_knobs(num_warps):
-    """Other warp counts (scripts/bench_stages.py) compute the same matrices, the exact diagonal path
-    included (a gate whose blocks do not fit, as in the test above)."""
+@pytest.mark.parametrize("knobs", [dict(num_warps=2), dict(num_warps=8), dict(max_registers=168)])
+def test_intra_tuning_knobs(knobs):
+    """Other warp counts and a register cap (scripts/bench_stages.py) compute the same matrices, the
+    exact diagonal path included (a gate whose blocks do not fit, as in the test above)."""
     x = stage_inputs(1, 130, 1, 64, HV=2, gate="softplus", device=kernel_device(), seed=7)
     x = with_gate(x, -8 * torch.nn.functional.softplus(
         4 * torch.randn(1, 130, 2, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(7))).to(kernel_device()))
-    Aqk, Tm, rAqk, rTm = run(x, 0.125, num_warps=num_warps)
+    Aqk, Tm, rAqk, rTm = run(x, 0.125, **knobs)
     assert rel_err(Aqk, rAqk) < 2e-6 and rel_err(Tm, rTm) < 2e-6
     assert_structure(Aqk, Tm, x["beta"], 130)
 
