@@ -8,6 +8,14 @@
                                               q/k norms for l2norm)
     o, S     = wuso(q, k, v, Γ, Tm, Aqk, S0)  stage 4, cuTile   (kda_opt/wuso)
 Each stage runs inside an NVTX range of the `kda_opt` domain; nothing here waits on the device.
+
+Time segments. Stage 4 runs one program per (sequence, value head, V block) through the whole
+sequence, so where B·H is small most SMs idle through it (SPEC §7's (1, 65536, 16): 64 programs on
+132 SMs). There a lone sequence is cut at chunk boundaries into segments (time_segments), stages 1–3
+of segment s + 1 run on a second stream while stage 4 runs segment s on the idle SMs, and each
+segment's final state (fp32, as stage 4 keeps it) is the next one's initial state: the same numbers
+as one pass. The caller's stream waits for the second stream's work before each stage 4, so the
+result is ordered on it as usual. Off until measured (MAX_SEGMENTS below).
 """
 import functools
 import warnings
@@ -18,12 +26,17 @@ import torch
 from .gate import gate_cumsum
 from .intra import intra_chunk
 from .options import GateConfig
-from .seqs import fixed, packed
-from .wuso import wuso
+from .seqs import fixed, num_sequences, packed
+from .wuso import block_v_for, wuso
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # q, k, v; and the initial state
 SUPPORTED_HEAD_DIMS = (64, 128)  # K and V each; FLA also takes 256, which stage 2's registers cannot hold
 SAFE_LOWER_BOUND = (-5.0, 0.0)  # the range in which safe_gate keeps in-chunk exponents bounded
+# Time segments (module docstring): at least SEGMENT_TOKENS tokens each, at most MAX_SEGMENTS. Off
+# (MAX_SEGMENTS = 1) until the pipelined path has run on a GPU; 8 is the value it was built for
+# (NOTES.md, tenth session).
+SEGMENT_TOKENS = 8192
+MAX_SEGMENTS = 1
 
 nvtx_range = functools.partial(nvtx.annotate, domain="kda_opt")
 
@@ -133,31 +146,91 @@ def kda_forward(
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
 
     B, T, H, _ = q.shape
-    HV = v.shape[2]
-    l2norm = use_qk_l2norm_in_kernel
+    HV, V = v.shape[2], v.shape[3]
     beta_sigmoid = (2.0 if allow_neg_eigval else 1.0) if use_beta_sigmoid_in_kernel else None
     # Tm (k's dtype) holds β on its diagonal: where β is not a number of that dtype, stage 4 adds back
     # what its rounding lost (kda_opt/intra, "β's residual").
-    residual = None
-    if k.dtype != torch.float32 and (use_beta_sigmoid_in_kernel or beta.dtype != k.dtype):
-        residual = q.new_empty((B, HV, T), dtype=torch.float32)
-    qk_rstd = q.new_empty((2, B, H, T), dtype=torch.float32) if l2norm else None   # 1 / ‖q‖, 1 / ‖k‖
+    residual = k.dtype != torch.float32 and (use_beta_sigmoid_in_kernel or beta.dtype != k.dtype)
+    prepare = functools.partial(_stages_1_to_3, gate=gate, A_log=A_log, dt_bias=dt_bias, scale=scale,
+                                chunk_size=chunk_size, l2norm=use_qk_l2norm_in_kernel,
+                                beta_sigmoid=beta_sigmoid, residual=residual)
+    stage4 = functools.partial(wuso, scale=scale, chunk_size=chunk_size, state_v_first=state_v_first)
     with nvtx_range("kda_opt/forward"):
-        if cu_seqlens is None:
-            seqs = fixed(T, chunk_size)
-        else:
+        seqs = None                                                     # B sequences of T tokens
+        if cu_seqlens is not None:
             with nvtx_range("kda_opt/seqs"):
                 seqs = packed(cu_seqlens, T, chunk_size)
-        with nvtx_range("kda_opt/gate"):
-            gcum = gate_cumsum(g, gate, A_log, dt_bias, chunk_size, seqs)
-        with nvtx_range("kda_opt/intra"):
-            Aqk, Tm = intra_chunk(q, k, gcum, beta, scale, chunk_size, gate_bounded=gate.bounded, seqs=seqs,
-                                  l2norm=l2norm, beta_sigmoid=beta_sigmoid, beta_residual=residual,
-                                  qk_rstd=qk_rstd)
+        N = num_sequences(B, cu_seqlens)
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        programs = N * HV * (V // block_v_for(N * HV, V, sms, q.dtype))    # stage 4's grid
+        segments = time_segments(T, N, programs, sms, seqs is not None, chunk_size)
+        if len(segments) == 1:
+            gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, seqs)
+            with nvtx_range("kda_opt/wuso"):
+                return stage4(q, k, v, gcum, Tm, Aqk, initial_state=initial_state,
+                              output_final_state=output_final_state, cu_seqlens=cu_seqlens, qk_rstd=rstd,
+                              beta_residual=r)
+        return _pipelined(segments, q, k, v, g, beta, initial_state, output_final_state, prepare, stage4)
+
+
+def time_segments(T: int, N: int, programs: int, sms: int, is_packed: bool, chunk_size: int = 64):
+    """[(t0, t1)]: the token ranges the forward runs as segments (module docstring), each a whole
+    number of chunks but the last; [(0, T)] where cutting does not pay: several or packed sequences,
+    stage 4's programs filling more than half the SMs, or T below two segments."""
+    if MAX_SEGMENTS < 2 or is_packed or N != 1 or 2 * programs > sms or T < 2 * SEGMENT_TOKENS:
+        return [(0, T)]
+    count = min(MAX_SEGMENTS, T // SEGMENT_TOKENS)
+    step = -(-T // (count * chunk_size)) * chunk_size
+    return [(t0, min(t0 + step, T)) for t0 in range(0, T, step)]
+
+
+def _stages_1_to_3(q, k, g, beta, seqs=None, *, gate, A_log, dt_bias, scale, chunk_size, l2norm,
+                   beta_sigmoid, residual):
+    """Stages 1–3 over q, k, g, beta [B, T, ...] (seqs: their layout; None: B sequences of T tokens):
+    Γ, Aqk, Tm, β's residual r [B, HV, T] (where `residual`, else None) and the q/k norms
+    [2, B, H, T] (where l2norm, else None)."""
+    B, T, H, _ = q.shape
+    seqs = seqs or fixed(T, chunk_size)
+    HV = g.shape[2]
+    r = q.new_empty((B, HV, T), dtype=torch.float32) if residual else None
+    rstd = q.new_empty((2, B, H, T), dtype=torch.float32) if l2norm else None   # 1 / ‖q‖, 1 / ‖k‖
+    with nvtx_range("kda_opt/gate"):
+        gcum = gate_cumsum(g, gate, A_log, dt_bias, chunk_size, seqs)
+    with nvtx_range("kda_opt/intra"):
+        Aqk, Tm = intra_chunk(q, k, gcum, beta, scale, chunk_size, gate_bounded=gate.bounded, seqs=seqs,
+                              l2norm=l2norm, beta_sigmoid=beta_sigmoid, beta_residual=r, qk_rstd=rstd)
+    return gcum, Aqk, Tm, r, rstd
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def _pipelined(segments, q, k, v, g, beta, initial_state, output_final_state, prepare, stage4):
+    """The forward over time segments of one sequence (B = 1): stages 1–3 of each segment on a side
+    stream, stage 4 on the caller's, which waits for them; the state handed on in fp32."""
+    main = torch.cuda.current_stream(q.device)
+    side = _side_stream(q.device)
+    side.wait_stream(main)                      # q, k, v, g, beta as the caller's stream left them
+    o = torch.empty_like(v)
+    state = initial_state
+    for i, (t0, t1) in enumerate(segments):
+        part = lambda x: x[:, t0:t1]            # B = 1: a contiguous view
+        with torch.cuda.stream(side):
+            made = prepare(part(q), part(k), part(g), part(beta))
+            ready = side.record_event()
+        for x in made:
+            if x is not None:
+                x.record_stream(main)           # allocated on the side stream, read on the caller's
+        main.wait_event(ready)
+        gcum, Aqk, Tm, r, rstd = made
+        last = i == len(segments) - 1
         with nvtx_range("kda_opt/wuso"):
-            return wuso(q, k, v, gcum, Tm, Aqk, scale, initial_state, output_final_state, chunk_size,
-                        cu_seqlens=cu_seqlens, qk_rstd=qk_rstd, state_v_first=state_v_first,
-                        beta_residual=residual)
+            _, state = stage4(part(q), part(k), part(v), gcum, Tm, Aqk, initial_state=state,
+                              output_final_state=output_final_state or not last, qk_rstd=rstd,
+                              beta_residual=r, out=part(o))
+    return o, state
 
 
 def _validate(q, k, v, g, beta, initial_state, *, use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound,

@@ -165,17 +165,19 @@ def launch_config(q, k, v, gcum, Tm, Aqk, scale, initial_state, o, final_state, 
 
 def wuso(q, k, v, gcum, Tm, Aqk, scale: float, initial_state=None, output_final_state=False,
          chunk_size: int = 64, block_v: int | None = None, cu_seqlens=None, qk_rstd=None,
-         state_v_first: bool = False, beta_residual=None):
+         state_v_first: bool = False, beta_residual=None, out=None):
     """Stage 4 on the current stream: o [B, T, HV, V] (v's dtype) and the final state [N, HV, K, V]
     fp32, or None unless output_final_state. Inputs as in the module docstring, contiguous (kda_forward
     validates them); cu_seqlens [N + 1] packs N sequences into the one batch entry. block_v: V columns
     per program; None picks it with block_v_for. qk_rstd: stage 2's [2, B, H, T] fp32 norms (l2norm),
     or None. state_v_first: the initial and final states are [N, HV, V, K]. beta_residual: stage 2's
-    r [B, HV, T] fp32 (module docstring), or None."""
+    r [B, HV, T] fp32 (module docstring), or None. out: o's storage, a [B, T, HV, V] tensor of v's
+    dtype whose rows are contiguous (a slice along T of a B = 1 tensor, kda_opt/forward's time
+    segments), or None for a new one."""
     B, _, HV, V = v.shape
     K = q.shape[-1]
     N = num_sequences(B, cu_seqlens)
-    o = torch.empty_like(v)
+    o = torch.empty_like(v) if out is None else out
     final = None
     if output_final_state:
         final = v.new_empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=torch.float32)

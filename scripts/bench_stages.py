@@ -6,8 +6,9 @@ The stages are recorded from one real kda_forward on random inputs (Case.inputs,
 so each runs with exactly the arguments kda_forward gives it, in any configuration (--varlen,
 --config ...). A stage's floor is the bytes of its inputs and outputs over the copy bandwidth measured
 here; `first s` is its first call's seconds, compiles included. Stage 2 (with the inverse, stage 3)
-runs once per (warps, register cap) pair, stage 4 once per (block_v, worker warps) pair; the defaults are the
-launchers' own choices.
+runs once per (warps, register cap) pair, stage 4 once per (block_v, worker warps) pair; the defaults
+are the launchers' own choices. Where kda_forward cuts the sequence into time segments, a stage's row
+runs all its segments' launches one after another (without the overlap kda_forward gets).
 """
 import argparse
 import itertools
@@ -34,14 +35,15 @@ def ints(text):
 
 
 def record_stages(call):
-    """Runs call() (a kda_forward) with forward's stage launchers recorded:
-    {name: (launcher, args, kwargs, result)} for the stages it launched."""
+    """Runs call() (a kda_forward) with forward's stage launchers recorded: {name: [(launcher, args,
+    kwargs, result), ...]}, every launch of each stage it ran (one per time segment where it cuts
+    the sequence: kda_opt/forward)."""
     calls, launchers = {}, {name: getattr(forward, name) for name in STAGES}
 
     def recorded(name, launcher):
         def run(*args, **kwargs):
             result = launcher(*args, **kwargs)
-            calls[name] = (launcher, args, kwargs, result)
+            calls.setdefault(name, []).append((launcher, args, kwargs, result))
             return result
         return run
     try:
@@ -54,10 +56,18 @@ def record_stages(call):
     return calls
 
 
-def replay(record, **extra):
-    """A call that runs one recorded stage launch again, with `extra` keyword arguments on top."""
-    launcher, args, kwargs, _ = record
-    return lambda: launcher(*args, **{**kwargs, **extra})
+def replay(records, **extra):
+    """A call that runs a stage's recorded launches again, in order, with `extra` keyword arguments
+    on top."""
+    def run():
+        for launcher, args, kwargs, _ in records:
+            launcher(*args, **{**kwargs, **extra})
+    return run
+
+
+def stage_bytes(records, inputs, outputs):
+    """Bytes of a stage's launches: the first `inputs` arguments and `outputs(result)` of each."""
+    return sum(nbytes(*args[:inputs], *outputs(result)) for _, args, _, result in records)
 
 
 def stage_rows(stages, intra_warps, intra_registers, block_v, worker_warps):
@@ -66,14 +76,11 @@ def stage_rows(stages, intra_warps, intra_registers, block_v, worker_warps):
     rows = []
     if "packed" in stages:
         rows.append(("seqs (chunk table)", replay(stages["packed"]), 0))
-    _, args, _, gcum = stages["gate_cumsum"]
-    rows.append(("gate", replay(stages["gate_cumsum"]), nbytes(args[0], gcum)))
-    _, args, _, (Aqk, Tm) = stages["intra_chunk"]
+    rows.append(("gate", replay(stages["gate_cumsum"]), stage_bytes(stages["gate_cumsum"], 1, lambda r: [r])))
     for w, r in itertools.product(intra_warps, intra_registers):
         knobs = {**({"num_warps": w} if w else {}), **({"max_registers": r} if r else {})}
         rows.append((f"intra warps={w or 'default'}" + (f" regs={r}" if r else ""),
-                     replay(stages["intra_chunk"], **knobs), nbytes(*args[:4], Aqk, Tm)))
-    _, args, _, (o, _) = stages["wuso"]
+                     replay(stages["intra_chunk"], **knobs), stage_bytes(stages["intra_chunk"], 4, list)))
     base_kernel = stage4.wuso_kernel
     for bv, warps in itertools.product(block_v, worker_warps):
         kernel = base_kernel if warps is None else base_kernel.replace_hints(num_worker_warps=warps)
@@ -85,7 +92,7 @@ def stage_rows(stages, intra_warps, intra_registers, block_v, worker_warps):
                 return call()
             finally:
                 stage4.wuso_kernel = base_kernel
-        rows.append((label, run, nbytes(*args[:6], o)))
+        rows.append((label, run, stage_bytes(stages["wuso"], 6, lambda r: r[:1])))
     return rows
 
 

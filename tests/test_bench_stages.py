@@ -24,16 +24,18 @@ def test_record_stages_keeps_each_launch_and_restores_the_launchers():
     g = -torch.rand(1, 70, 2, 64, device=kernel_device())
     launchers = {name: getattr(forward, name) for name in bs.STAGES}
 
-    def two_stages():
-        gcum = forward.gate_cumsum(g, GateConfig(), None, None, 64)
-        forward.intra_chunk(x["q"], x["k"], gcum, x["beta"], 0.125, 64, gate_bounded=True)
+    def two_stages_twice():   # as over two time segments
+        for part in (slice(0, 64), slice(64, 70)):
+            gcum = forward.gate_cumsum(g[:, part], GateConfig(), None, None, 64)
+            forward.intra_chunk(x["q"][:, part], x["k"][:, part], gcum, x["beta"][:, part], 0.125, 64,
+                                gate_bounded=True)
 
-    calls = bs.record_stages(two_stages)
-    assert set(calls) == {"gate_cumsum", "intra_chunk"}
-    launcher, args, kwargs, gcum = calls["gate_cumsum"]
-    assert launcher is launchers["gate_cumsum"] and args[0] is g and gcum.shape == g.shape
-    launcher, args, kwargs, (Aqk, Tm) = calls["intra_chunk"]
-    assert kwargs == {"gate_bounded": True} and args[2] is gcum and Aqk.shape == (1, 70, 2, 64)
+    calls = bs.record_stages(two_stages_twice)
+    assert set(calls) == {"gate_cumsum", "intra_chunk"} and len(calls["intra_chunk"]) == 2
+    launcher, args, kwargs, gcum = calls["gate_cumsum"][1]
+    assert launcher is launchers["gate_cumsum"] and args[0].shape == (1, 6, 2, 64) and gcum.shape == args[0].shape
+    launcher, args, kwargs, (Aqk, Tm) = calls["intra_chunk"][1]
+    assert kwargs == {"gate_bounded": True} and args[2] is gcum and Aqk.shape == (1, 6, 2, 64)
     assert torch.equal(launcher(*args, **kwargs)[1], Tm)        # re-running a record: the same stage
     assert all(getattr(forward, name) is fn for name, fn in launchers.items())
 
@@ -44,9 +46,9 @@ def test_stage_rows_each_call_their_own_stage(monkeypatch):
     def launcher(name):
         return lambda *args, **kwargs: ran.append((name, args, kwargs, bs.stage4.wuso_kernel))
     x = torch.zeros(2)
-    stages = {"gate_cumsum": (launcher("gate"), (x,), {}, x),
-              "intra_chunk": (launcher("intra"), (x, x, x, x), {"gate_bounded": True}, (x, x)),
-              "wuso": (launcher("wuso"), (x,) * 6, {"block_v": None}, (x, None))}
+    stages = {"gate_cumsum": [(launcher("gate"), (x,), {}, x)],
+              "intra_chunk": [(launcher("intra"), (x, x, x, x), {"gate_bounded": True}, (x, x))],
+              "wuso": [(launcher("wuso"), (x,) * 6, {"block_v": None}, (x, None))] * 2}   # two segments
     kernel = bs.stage4.wuso_kernel
     monkeypatch.setattr(kernel, "replace_hints", lambda **hints: hints, raising=False)
     rows = bs.stage_rows(stages, [None, 8], [None, 168], [16, 32], [None, 4])
@@ -54,12 +56,13 @@ def test_stage_rows_each_call_their_own_stage(monkeypatch):
     assert labels == ["gate", "intra warps=default", "intra warps=default regs=168", "intra warps=8",
                       "intra warps=8 regs=168", "wuso bv=16 warps=8", "wuso bv=16 warps=4", "wuso bv=32 warps=8",
                       "wuso bv=32 warps=4"]
+    assert [n for *_, n in rows] == [16] + [48] * 4 + [2 * 56] * 4    # every launch's bytes, 8 per x
     for _, call, _ in rows:
         call()
-    assert [name for name, *_ in ran] == ["gate"] + ["intra"] * 4 + ["wuso"] * 4
+    assert [name for name, *_ in ran] == ["gate"] + ["intra"] * 4 + ["wuso"] * 8
     assert [kw for _, _, kw, _ in ran[1:5]] == [{"gate_bounded": True}, {"gate_bounded": True, "max_registers": 168},
                                                {"gate_bounded": True, "num_warps": 8},
                                                {"gate_bounded": True, "num_warps": 8, "max_registers": 168}]
-    assert [kw["block_v"] for _, _, kw, _ in ran[5:]] == [16, 16, 32, 32]
-    assert [k for *_, k in ran[5:]] == [kernel, {"num_worker_warps": 4}] * 2
+    assert [kw["block_v"] for _, _, kw, _ in ran[5:]] == [16] * 4 + [32] * 4
+    assert [k for *_, k in ran[5:]] == [kernel, kernel, {"num_worker_warps": 4}, {"num_worker_warps": 4}] * 2
     assert bs.stage4.wuso_kernel is kernel                    # the worker-warp variants are put back

@@ -5,9 +5,10 @@ import itertools
 import pytest
 import torch
 
-from kda_opt import kda_forward, reference
+from kda_opt import forward, kda_forward, reference
 from kda_opt.inputs import GATE_MODES, random_inputs
 from kda_opt.reference import reference_forward
+from kda_opt.wuso import wuso
 from tests.conftest import HAS_CUDA, gpu, rel_err
 
 PER_TOKEN = ("q", "k", "v", "g", "beta")  # kda_forward's arguments with a row per token
@@ -102,6 +103,21 @@ def test_options_after_output_final_state_are_keyword_only():
     a = cpu_args()
     with pytest.raises(TypeError):
         kda_forward(a["q"], a["k"], a["v"], a["g"], a["beta"], None, None, True, True)
+
+
+def test_time_segments(monkeypatch):
+    """Where the forward cuts a lone sequence into time segments (kda_opt/forward), and how."""
+    monkeypatch.setattr(forward, "MAX_SEGMENTS", 8)
+    assert forward.time_segments(65536, 1, 64, 132, False) == [(t, t + 8192) for t in range(0, 65536, 8192)]
+    assert forward.time_segments(20000, 1, 64, 132, False) == [(0, 10048), (10048, 20000)]
+    assert forward.time_segments(65536, 1, 67, 132, False) == [(0, 65536)]    # stage 4 fills half the SMs
+    assert forward.time_segments(65536, 2, 64, 132, False) == [(0, 65536)]    # several sequences
+    assert forward.time_segments(65536, 1, 64, 132, True) == [(0, 65536)]     # packed
+    assert forward.time_segments(16383, 1, 64, 132, False) == [(0, 16383)]    # under two segments
+    for T in range(16384, 200_000, 997):
+        segs = forward.time_segments(T, 1, 32, 132, False)
+        assert 2 <= len(segs) <= forward.MAX_SEGMENTS and segs[0][0] == 0 and segs[-1][1] == T
+        assert all(a1 == b0 and b0 % 64 == 0 and b0 - a0 >= 64 for (a0, b0), (a1, _) in zip(segs, segs[1:]))
 
 
 @gpu
@@ -352,10 +368,33 @@ def test_forward_state_v_first(state_dtype, seqlens):
 
 
 @gpu
-def test_forward_captures_in_a_cuda_graph():
+@pytest.mark.parametrize("call", [dict(), dict(gate="softplus", initial_state=True),
+                                  dict(l2norm=True, beta_logits=True, state_v_first=True, initial_state=True)])
+def test_forward_time_segments(monkeypatch, call):
+    """A lone sequence cut into time segments (stages 1–3 of the next on a side stream while stage 4
+    runs this one; forced at a small shape with 128-token segments): one pass's numbers bit for bit
+    (the state handed on is stage 4's fp32 state), a tail chunk in the last segment."""
+    args = random_inputs(1, 1000, 2, 128, seed=41, **call)
+    o, s = kda_forward(**args)
+    monkeypatch.setattr(forward, "SEGMENT_TOKENS", 128)
+    monkeypatch.setattr(forward, "MAX_SEGMENTS", 8)
+    launches = []
+    monkeypatch.setattr(forward, "wuso", lambda *a, **kw: launches.append(kw) or wuso(*a, **kw))
+    o_seg, s_seg = kda_forward(**args)
+    assert len(launches) == len(forward.time_segments(1000, 1, 2, 132, False)) > 1
+    assert torch.equal(o_seg, o) and torch.equal(s_seg, s)
+
+
+@gpu
+@pytest.mark.parametrize("segment_tokens", [None, 128])
+def test_forward_captures_in_a_cuda_graph(monkeypatch, segment_tokens):
     """kda_forward in a CUDA graph (it never waits on the device and allocates through torch): new
     inputs copied into the captured ones and one replay give the eager call's numbers, bit for bit.
-    FlashKDA's call at a small shape, where launches are the cost (NOTES.md, ninth session)."""
+    FlashKDA's call at a small shape, where launches are the cost (NOTES.md, ninth session); and cut
+    into time segments, whose side stream the capture must fork and join."""
+    if segment_tokens:
+        monkeypatch.setattr(forward, "SEGMENT_TOKENS", segment_tokens)
+        monkeypatch.setattr(forward, "MAX_SEGMENTS", 8)
     call = dict(l2norm=True, beta_logits=True, state_v_first=True, initial_state=True)
     static = random_inputs(1, 300, 2, 128, seed=31, **call)
     side = torch.cuda.Stream()
