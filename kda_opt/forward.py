@@ -154,7 +154,6 @@ def kda_forward(
     prepare = functools.partial(_stages_1_to_3, gate=gate, A_log=A_log, dt_bias=dt_bias, scale=scale,
                                 chunk_size=chunk_size, l2norm=use_qk_l2norm_in_kernel,
                                 beta_sigmoid=beta_sigmoid, residual=residual)
-    stage4 = functools.partial(wuso, scale=scale, chunk_size=chunk_size, state_v_first=state_v_first)
     with nvtx_range("kda_opt/forward"):
         seqs = None                                                     # B sequences of T tokens
         if cu_seqlens is not None:
@@ -162,8 +161,10 @@ def kda_forward(
                 seqs = packed(cu_seqlens, T, chunk_size)
         N = num_sequences(B, cu_seqlens)
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        programs = N * HV * (V // block_v_for(N * HV, V, sms, q.dtype))    # stage 4's grid
-        segments = time_segments(T, N, programs, sms, seqs is not None, chunk_size)
+        block_v = block_v_for(N * HV, V, sms, q.dtype)
+        stage4 = functools.partial(wuso, scale=scale, chunk_size=chunk_size, block_v=block_v,
+                                   state_v_first=state_v_first)
+        segments = time_segments(T, N, N * HV * (V // block_v), sms, seqs is not None, chunk_size)
         if len(segments) == 1:
             gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, seqs)
             with nvtx_range("kda_opt/wuso"):
