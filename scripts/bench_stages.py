@@ -72,7 +72,7 @@ def stage_bytes(records, inputs, outputs):
 
 def stage_rows(stages, intra_warps, intra_registers, block_v, worker_warps):
     """[(label, call, bytes)]: each recorded stage (record_stages) once, stage 2 once per (warps, register
-    cap), stage 4 once per (block_v, worker warps); None in a list is the launcher's own choice."""
+    cap), stage 4 once per (block_v, worker warps); None or 0 in a list is the launcher's own choice."""
     rows = []
     if "packed" in stages:
         rows.append(("seqs (chunk table)", replay(stages["packed"]), 0))
@@ -83,10 +83,10 @@ def stage_rows(stages, intra_warps, intra_registers, block_v, worker_warps):
                      replay(stages["intra_chunk"], **knobs), stage_bytes(stages["intra_chunk"], 4, list)))
     base_kernel = stage4.wuso_kernel
     for bv, warps in itertools.product(block_v, worker_warps):
-        kernel = base_kernel if warps is None else base_kernel.replace_hints(num_worker_warps=warps)
+        kernel = base_kernel.replace_hints(num_worker_warps=warps) if warps else base_kernel
         label = f"wuso bv={bv or 'auto'} warps={warps or stage4.WORKER_WARPS}"
 
-        def run(call=replay(stages["wuso"], block_v=bv), kernel=kernel):
+        def run(call=replay(stages["wuso"], block_v=bv or None), kernel=kernel):
             stage4.wuso_kernel = kernel
             try:
                 return call()
