@@ -26,7 +26,7 @@ import torch
 from .gate import gate_cumsum
 from .intra import intra_chunk
 from .options import GateConfig
-from .seqs import fixed, num_sequences, packed
+from .seqs import num_sequences, packed
 from .wuso import block_v_for, wuso
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # q, k, v; and the initial state
@@ -145,7 +145,7 @@ def kda_forward(
         A_log = dt_bias = None
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
 
-    B, T, H, _ = q.shape
+    B, T = q.shape[:2]
     HV, V = v.shape[2], v.shape[3]
     beta_sigmoid = (2.0 if allow_neg_eigval else 1.0) if use_beta_sigmoid_in_kernel else None
     # Tm (k's dtype) holds β on its diagonal: where β is not a number of that dtype, stage 4 adds back
@@ -191,7 +191,6 @@ def _stages_1_to_3(q, k, g, beta, seqs=None, *, gate, A_log, dt_bias, scale, chu
     Γ, Aqk, Tm, β's residual r [B, HV, T] (where `residual`, else None) and the q/k norms
     [2, B, H, T] (where l2norm, else None)."""
     B, T, H, _ = q.shape
-    seqs = seqs or fixed(T, chunk_size)
     HV = g.shape[2]
     r = q.new_empty((B, HV, T), dtype=torch.float32) if residual else None
     rstd = q.new_empty((2, B, H, T), dtype=torch.float32) if l2norm else None   # 1 / ‖q‖, 1 / ‖k‖
