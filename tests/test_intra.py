@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from kda_opt import reference as ref
+from kda_opt import intra, reference as ref
 from kda_opt.intra import intra_chunk
 from kda_opt.seqs import packed
 from tests.conftest import gpu, kernel_device, rel_err
@@ -214,6 +214,20 @@ def test_intra_tuning_knobs(knobs):
     Aqk, Tm, rAqk, rTm = run(x, 0.125, **knobs)
     assert rel_err(Aqk, rAqk) < 2e-6 and rel_err(Tm, rTm) < 2e-6
     assert_structure(Aqk, Tm, x["beta"], 130)
+
+
+def test_intra_register_cap_reaches_the_launch(monkeypatch):
+    """max_registers is the main kernel's maxnreg launch option (None: the compiler's choice)."""
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(kwargs)
+    monkeypatch.setattr(intra, "intra_chunk_kernel", Recorder())
+    x = stage_inputs(1, 70, 1, 64, HV=2, device=kernel_device())
+    for cap in (None, 168):
+        intra_chunk(x["q"], x["k"], x["gcum"], x["beta"], 0.125, gate_bounded=True, max_registers=cap)
+    assert [kw["maxnreg"] for kw in launches] == [None, 168]
 
 
 @pytest.mark.parametrize("gate_bounded", [True, False])
