@@ -54,11 +54,9 @@ from .seqs import Seqs, chunk_span, fixed
 
 BC = 16  # sub-chunk: rows are computed in blocks of 16, the diagonal in 16×16 blocks
 # Warps per chunk, measured on H100 at the default shape (NOTES.md); and per 16-row block of the
-# exact diagonal path. MAX_REGISTERS caps the main kernel's registers per thread (None: the compiler's
-# 255 at 4 warps, two programs per SM; 168 would fit three, with spills): a tuning knob.
+# exact diagonal path.
 NUM_WARPS = 4
 EXACT_NUM_WARPS = 2
-MAX_REGISTERS = None
 SHIFT = 0.5 * (BC - 1) * 5.0 / math.log(2.0)
 L2_EPS: tl.constexpr = tl.constexpr(L2NORM_EPS)
 
@@ -366,7 +364,7 @@ def intra_chunk_kernel(
 def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64, *, gate_bounded: bool = False,
                 seqs: Seqs | None = None, l2norm: bool = False, beta_sigmoid: float | None = None,
                 beta_residual: torch.Tensor | None = None, qk_rstd: torch.Tensor | None = None,
-                num_warps: int = NUM_WARPS, max_registers: int | None = MAX_REGISTERS):
+                num_warps: int = NUM_WARPS):
     """Aqk [B, T, HV, C] (q's dtype) and Tm [B, T, HV, C] (k's dtype) of every chunk (C = 64).
     gate_bounded: every log-decay a ≥ −5 (log2 units: Γ falls at most 5/ln 2 per token), so no
     diagonal block needs the exact path. seqs: the sequence layout (kda_opt/seqs; None is B sequences
@@ -374,8 +372,7 @@ def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64, *, gate_bo
     logits and β = beta_sigmoid · sigmoid(beta) (None: beta is β). beta_residual: a [B, HV, T] fp32
     tensor that receives β − β rounded to Tm's dtype (module docstring). qk_rstd: with l2norm, a
     [2, B, H, T] fp32 tensor that receives q's and k's 1 / sqrt(Σ x² + eps) per token (None: a
-    buffer of the launcher's own). num_warps and max_registers are tuning knobs (MAX_REGISTERS,
-    scripts/bench_stages.py)."""
+    buffer of the launcher's own). num_warps is a tuning knob (scripts/bench_stages.py)."""
     B, T, H, K = q.shape
     HV = gcum.shape[2]
     if chunk_size != 4 * BC:
@@ -400,6 +397,6 @@ def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64, *, gate_bo
         BETA_RESIDUAL=beta_residual is not None,
         # Precision (module docstring). The interpreter ignores DOT_PRECISION and multiplies in fp32.
         DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", SPLIT_BF16=q.dtype == torch.bfloat16,
-        num_warps=num_warps, maxnreg=max_registers,
+        num_warps=num_warps,
     )
     return Aqk, Tm

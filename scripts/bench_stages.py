@@ -1,12 +1,12 @@
 """Each stage of kda_forward alone, timed with do_bench at one shape, beside its bytes floor.
 
     python scripts/bench_stages.py [scripts/test.py shape options] [--intra-warps 2,4]
-                                   [--intra-registers 168,128] [--block-v 32,64,128] [--worker-warps 4,8] [--once]
+                                   [--block-v 32,64,128] [--worker-warps 4,8] [--once]
 The stages are recorded from one real kda_forward on random inputs (Case.inputs, as the benchmark's),
 so each runs with exactly the arguments kda_forward gives it, in any configuration (--varlen,
 --config ...). A stage's floor is the bytes of its inputs and outputs over the copy bandwidth measured
 here; `first s` is its first call's seconds, compiles included. Stage 2 (with the inverse, stage 3)
-runs once per (warps, register cap) pair, stage 4 once per (block_v, worker warps) pair; the defaults
+runs once per warp count, stage 4 once per (block_v, worker warps) pair; the defaults
 are the launchers' own choices. Where kda_forward cuts the sequence into time segments, a stage's row
 runs all its segments' launches one after another (without the overlap kda_forward gets).
 """
@@ -70,17 +70,16 @@ def stage_bytes(records, inputs, outputs):
     return sum(nbytes(*args[:inputs], *outputs(result)) for _, args, _, result in records)
 
 
-def stage_rows(stages, intra_warps, intra_registers, block_v, worker_warps):
-    """[(label, call, bytes)]: each recorded stage (record_stages) once, stage 2 once per (warps, register
-    cap), stage 4 once per (block_v, worker warps); None or 0 in a list is the launcher's own choice."""
+def stage_rows(stages, intra_warps, block_v, worker_warps):
+    """[(label, call, bytes)]: each recorded stage (record_stages) once, stage 2 once per warp count,
+    stage 4 once per (block_v, worker warps); None or 0 in a list is the launcher's own choice."""
     rows = []
     if "packed" in stages:
         rows.append(("seqs (chunk table)", replay(stages["packed"]), 0))
     rows.append(("gate", replay(stages["gate_cumsum"]), stage_bytes(stages["gate_cumsum"], 1, lambda r: [r])))
-    for w, r in itertools.product(intra_warps, intra_registers):
-        knobs = {**({"num_warps": w} if w else {}), **({"max_registers": r} if r else {})}
-        rows.append((f"intra warps={w or 'default'}" + (f" regs={r}" if r else ""),
-                     replay(stages["intra_chunk"], **knobs), stage_bytes(stages["intra_chunk"], 4, list)))
+    for w in intra_warps:
+        rows.append((f"intra warps={w or 'default'}", replay(stages["intra_chunk"], **({"num_warps": w} if w else {})),
+                     stage_bytes(stages["intra_chunk"], 4, list)))
     base_kernel = stage4.wuso_kernel
     for bv, warps in itertools.product(block_v, worker_warps):
         kernel = base_kernel.replace_hints(num_worker_warps=warps) if warps else base_kernel
@@ -99,8 +98,6 @@ def stage_rows(stages, intra_warps, intra_registers, block_v, worker_warps):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--intra-warps", type=ints, default=[None], help="stage 2 warp counts, e.g. 2,4")
-    p.add_argument("--intra-registers", type=ints, default=[None],
-                   help="stage 2 register caps per thread, e.g. 168,128")
     p.add_argument("--block-v", type=ints, default=[None], help="stage 4 V blocks to time, e.g. 32,64,128")
     p.add_argument("--worker-warps", type=ints, default=[None], help="stage 4 worker warps to time, e.g. 4,8")
     p.add_argument("--once", action="store_true", help="run each stage once, untimed (for ncu)")
@@ -110,7 +107,7 @@ def main():
     bw, _ = measure_ceilings()
     stages = record_stages(lambda: kda_forward(**a))
 
-    rows = stage_rows(stages, own.intra_warps, own.intra_registers, own.block_v, own.worker_warps)
+    rows = stage_rows(stages, own.intra_warps, own.block_v, own.worker_warps)
     rows.append(("kda_forward", lambda: kda_forward(**a), 0))
 
     print(f"# {torch.cuda.get_device_name()}, {c.label}; copy bandwidth {bw / 1e12:.2f} TB/s")

@@ -51,18 +51,15 @@ def test_stage_rows_each_call_their_own_stage(monkeypatch):
               "wuso": [(launcher("wuso"), (x,) * 6, {"block_v": None}, (x, None))] * 2}   # two segments
     kernel = bs.stage4.wuso_kernel
     monkeypatch.setattr(kernel, "replace_hints", lambda **hints: hints, raising=False)
-    rows = bs.stage_rows(stages, [None, 8], [0, 168], [0, 32], [0, 4])     # None or 0: the default
+    rows = bs.stage_rows(stages, [None, 8], [0, 32], [0, 4])     # None or 0: the default
     labels = [label for label, _, _ in rows]
-    assert labels == ["gate", "intra warps=default", "intra warps=default regs=168", "intra warps=8",
-                      "intra warps=8 regs=168", "wuso bv=auto warps=8", "wuso bv=auto warps=4", "wuso bv=32 warps=8",
-                      "wuso bv=32 warps=4"]
-    assert [n for *_, n in rows] == [16] + [48] * 4 + [2 * 56] * 4    # every launch's bytes, 8 per x
+    assert labels == ["gate", "intra warps=default", "intra warps=8", "wuso bv=auto warps=8", "wuso bv=auto warps=4",
+                      "wuso bv=32 warps=8", "wuso bv=32 warps=4"]
+    assert [n for *_, n in rows] == [16] + [48] * 2 + [2 * 56] * 4    # every launch's bytes, 8 per x
     for _, call, _ in rows:
         call()
-    assert [name for name, *_ in ran] == ["gate"] + ["intra"] * 4 + ["wuso"] * 8
-    assert [kw for _, _, kw, _ in ran[1:5]] == [{"gate_bounded": True}, {"gate_bounded": True, "max_registers": 168},
-                                               {"gate_bounded": True, "num_warps": 8},
-                                               {"gate_bounded": True, "num_warps": 8, "max_registers": 168}]
-    assert [kw["block_v"] for _, _, kw, _ in ran[5:]] == [None] * 4 + [32] * 4
-    assert [k for *_, k in ran[5:]] == [kernel, kernel, {"num_worker_warps": 4}, {"num_worker_warps": 4}] * 2
+    assert [name for name, *_ in ran] == ["gate"] + ["intra"] * 2 + ["wuso"] * 8
+    assert [kw for _, _, kw, _ in ran[1:3]] == [{"gate_bounded": True}, {"gate_bounded": True, "num_warps": 8}]
+    assert [kw["block_v"] for _, _, kw, _ in ran[3:]] == [None] * 4 + [32] * 4
+    assert [k for *_, k in ran[3:]] == [kernel, kernel, {"num_worker_warps": 4}, {"num_worker_warps": 4}] * 2
     assert bs.stage4.wuso_kernel is kernel                    # the worker-warp variants are put back

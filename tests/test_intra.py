@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from kda_opt import intra, reference as ref
+from kda_opt import reference as ref
 from kda_opt.intra import intra_chunk
 from kda_opt.seqs import packed
 from tests.conftest import gpu, kernel_device, rel_err
@@ -204,30 +204,16 @@ def test_intra_unbounded_gate_never_overflows(name, a):
     assert_structure(Aqk, Tm, x["beta"], 130)
 
 
-@pytest.mark.parametrize("knobs", [dict(num_warps=2), dict(num_warps=8), dict(max_registers=168)])
-def test_intra_tuning_knobs(knobs):
-    """Other warp counts and a register cap (scripts/bench_stages.py) compute the same matrices, the
-    exact diagonal path included (a gate whose blocks do not fit, as in the test above)."""
+@pytest.mark.parametrize("num_warps", [2, 8])
+def test_intra_num_warps(num_warps):
+    """Other warp counts (scripts/bench_stages.py) compute the same matrices, the exact diagonal path
+    included (a gate whose blocks do not fit, as in the test above)."""
     x = stage_inputs(1, 130, 1, 64, HV=2, gate="softplus", device=kernel_device(), seed=7)
     x = with_gate(x, -8 * torch.nn.functional.softplus(
         4 * torch.randn(1, 130, 2, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(7))).to(kernel_device()))
-    Aqk, Tm, rAqk, rTm = run(x, 0.125, **knobs)
+    Aqk, Tm, rAqk, rTm = run(x, 0.125, num_warps=num_warps)
     assert rel_err(Aqk, rAqk) < 2e-6 and rel_err(Tm, rTm) < 2e-6
     assert_structure(Aqk, Tm, x["beta"], 130)
-
-
-def test_intra_register_cap_reaches_the_launch(monkeypatch):
-    """max_registers is the main kernel's maxnreg launch option (None: the compiler's choice)."""
-    launches = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append(kwargs)
-    monkeypatch.setattr(intra, "intra_chunk_kernel", Recorder())
-    x = stage_inputs(1, 70, 1, 64, HV=2, device=kernel_device())
-    for cap in (None, 168):
-        intra_chunk(x["q"], x["k"], x["gcum"], x["beta"], 0.125, gate_bounded=True, max_registers=cap)
-    assert [kw["maxnreg"] for kw in launches] == [None, 168]
 
 
 @pytest.mark.parametrize("gate_bounded", [True, False])
