@@ -40,8 +40,8 @@ adds r ⊙ x to Tm x (kda_opt/wuso), so that the diagonal is exact. (Leaving β 
 x's rows by it before their rounding instead measured less accurate: NOTES.md, ninth session.)
 
 Norms. With l2norm the kernel writes every token's 1 / sqrt(Σ x² + eps) for q and k, [2, B, H, T]
-fp32: each row block normalises its own rows, reads its columns' norms back from there, and stage 4
-applies them instead of normalising again.
+fp32: each row block scales its products by its rows' norms and its columns' (read back from there),
+and stage 4 applies them instead of normalising again.
 """
 import math
 
@@ -209,19 +209,6 @@ def _row_block(q, k, gcum, beta, Aqk, Dkk, rstd, rstd_plane, t0, R: tl.constexpr
     b_gc = _tile(gcum, t0 + o_j, m_c, o_k, HV * K)                       # [BTC, K]
     b_q = _tile(q, o_t, m_t, o_k, H * K)                                 # [BC, K]
     b_k = _tile(k, o_t, m_t, o_k, H * K)
-    if L2NORM:
-        # The block's rows are normalised with their own norms, stored for stage 4 (every value head
-        # of a GVA group stores the same numbers). The columns are rows of this and earlier blocks:
-        # their norms are read back (the barrier makes this block's stores visible) instead of
-        # reducing the [BTC, K] column tile again in every block.
-        b_rq = _rstd(b_q)
-        b_rk = _rstd(b_k)
-        tl.store(rstd + o_t, b_rq, mask=m_t)
-        tl.store(rstd + rstd_plane + o_t, b_rk, mask=m_t)
-        tl.debug_barrier()
-        b_kct = b_kct * tl.load(rstd + rstd_plane + t0 + o_j, mask=m_c, other=0.0)[None, :]
-        b_q = b_q * b_rq[:, None]
-        b_k = b_k * b_rk[:, None]
     b_g = _tile(gcum, o_t, m_t, o_k, HV * K)
     b_c = tl.load(gcum + n * (HV * K) + o_k, mask=n + 0 * o_k < T, other=0.0) - SHIFT * fits
     # Exponents are masked before exp2 (rows and columns past T load Γ = 0, where 2^(C − 0) could
@@ -241,6 +228,22 @@ def _row_block(q, k, gcum, beta, Aqk, Dkk, rstd, rstd_plane, t0, R: tl.constexpr
     else:
         b_Aqk = tl.dot(b_qr, b_kc, input_precision=DOT_PRECISION)
         b_Akk = tl.dot(b_kr, b_kc, input_precision=DOT_PRECISION)
+    b_qk = tl.sum(b_q * b_k, axis=1)                 # Aqk's diagonal
+    if L2NORM:
+        # Normalising is a row and column scale of the products, applied to them (fewer operations
+        # than scaling the [BTC, K] column tile: NOTES.md, eleventh session). The block's rows' norms
+        # are stored for stage 4 (every value head of a GVA group stores the same numbers); the
+        # columns are rows of this and earlier blocks, their norms read back (the barrier makes this
+        # block's stores visible).
+        b_rq = _rstd(b_q)
+        b_rk = _rstd(b_k)
+        tl.store(rstd + o_t, b_rq, mask=m_t)
+        tl.store(rstd + rstd_plane + o_t, b_rk, mask=m_t)
+        tl.debug_barrier()
+        b_rc = tl.load(rstd + rstd_plane + t0 + o_j, mask=m_c, other=0.0)[None, :]
+        b_Aqk = b_Aqk * b_rq[:, None] * b_rc
+        b_Akk = b_Akk * b_rk[:, None] * b_rc
+        b_qk = b_qk * b_rq * b_rk
 
     # The triangles zeroed, the row scales applied (scale for Aqk, β for Akk); a diagonal block that
     # did not fit was stored by diagonal_exact_kernel, and its Akk part is read back from Dkk.
@@ -250,7 +253,7 @@ def _row_block(q, k, gcum, beta, Aqk, Dkk, rstd, rstd_plane, t0, R: tl.constexpr
     m_diag = (o_j >= R * BC) & (o_j < R * BC + BC) & (fits + 0 * o_j == 0)
     # Aqk's diagonal, where the decay is 1, is a plain row sum in fp32: with 16-bit product operands
     # it would carry the column rounding in full, and at T = 1 it is the whole output.
-    b_Aqk = tl.where(o_j[None, :] == o_r[:, None], tl.sum(b_q * b_k, axis=1)[:, None], b_Aqk)
+    b_Aqk = tl.where(o_j[None, :] == o_r[:, None], b_qk[:, None], b_Aqk)
     b_Aqk = tl.where(o_j[None, :] <= o_r[:, None], b_Aqk, 0.0) * scale
     tl.store(p_qk + o_j[None, :], b_Aqk.to(Aqk.dtype.element_ty), mask=m_t[:, None] & ~m_diag[None, :])
     for c0 in tl.static_range(BTC, BT, BTC):
