@@ -76,7 +76,8 @@ def stage_rows(stages, intra_warps, block_v, worker_warps):
     rows = []
     if "packed" in stages:
         rows.append(("seqs (chunk table)", replay(stages["packed"]), 0))
-    rows.append(("gate", replay(stages["gate_cumsum"]), stage_bytes(stages["gate_cumsum"], 1, lambda r: [r])))
+    if "gate_cumsum" in stages:               # not where stage 2 computes Γ (kda_opt/forward's FUSE_GATE)
+        rows.append(("gate", replay(stages["gate_cumsum"]), stage_bytes(stages["gate_cumsum"], 1, lambda r: [r])))
     for w in intra_warps:
         rows.append((f"intra warps={w or 'default'}", replay(stages["intra_chunk"], **({"num_warps": w} if w else {})),
                      stage_bytes(stages["intra_chunk"], 4, list)))
