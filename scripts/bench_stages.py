@@ -66,8 +66,10 @@ def replay(records, **extra):
 
 
 def stage_bytes(records, inputs, outputs):
-    """Bytes of a stage's launches: the first `inputs` arguments and `outputs(result)` of each."""
-    return sum(nbytes(*args[:inputs], *outputs(result)) for _, args, _, result in records)
+    """Bytes of a stage's launches: the first `inputs` arguments and `outputs(result)` of each, and the
+    raw gate where stage 2 computes Γ itself (kda_opt/forward's FUSE_GATE: Γ is then written, not read)."""
+    return sum(nbytes(*args[:inputs], *outputs(result), *(kwargs.get("gate") or ())[:1])
+               for _, args, kwargs, result in records)
 
 
 def stage_rows(stages, intra_warps, block_v, worker_warps):
