@@ -176,15 +176,15 @@ def sweep_cases(args):
     cases = []
     for gate in args.sweep_gates.split(","):
         at = lambda **kw: dataclasses.replace(base, gate=gate, **kw)
+        shapes = lambda rows: [at(B=B, T=T, H=H) for B, T, H in rows]
+        mixes = lambda rows: [at(T=sum(lens), H=H, seqlens=lens) for lens, H in rows]
         if args.sweep_rows == "peers":
-            cases += [at(B=B, T=T, H=H) for B, T, H in PEER_SHAPES]
-            cases += [at(T=sum(lens), H=H, seqlens=lens) for lens, H in PEER_PACKED]
+            cases += shapes(PEER_SHAPES) + mixes(PEER_PACKED)
         if args.sweep_rows in ("all", "shapes"):
-            cases += [at(B=B, T=T, H=H) for B, T, H in SWEEP_SHAPES]
+            cases += shapes(SWEEP_SHAPES)
         if args.sweep_rows in ("all", "serving"):
-            for lens, H in SWEEP_PACKED:
-                lens = varlen_lengths(NUM_SEQS, 8192, args.seed) if lens == "drawn" else lens
-                cases.append(at(T=sum(lens), H=H, seqlens=lens))
+            cases += mixes((varlen_lengths(NUM_SEQS, 8192, args.seed) if lens == "drawn" else lens, H)
+                           for lens, H in SWEEP_PACKED)
             if args.config == "default":
                 cases.append(at(config="l2norm"))
     return cases
