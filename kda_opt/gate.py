@@ -63,9 +63,10 @@ def gate_cumsum_kernel(
                T, lower_bound, i_h, HV, K, MODE, HAS_A, HAS_BIAS)
 
 
-def gate_mode(gate: GateConfig) -> int:
-    """The MODE constexpr of gate_chunk for a GateConfig."""
-    return PREACTIVATED if not gate.in_kernel else SIGMOID if gate.lower_bound is not None else SOFTPLUS
+def gate_launch_args(gate: GateConfig, A_log, dt_bias):
+    """lower_bound and the MODE, HAS_A, HAS_BIAS constexprs of a kernel calling gate_chunk."""
+    mode = PREACTIVATED if not gate.in_kernel else SIGMOID if gate.lower_bound is not None else SOFTPLUS
+    return float(gate.lower_bound or 0.0), dict(MODE=mode, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None)
 
 
 def gate_cumsum(g: torch.Tensor, gate: GateConfig, A_log=None, dt_bias=None, chunk_size: int = 64,
@@ -77,9 +78,9 @@ def gate_cumsum(g: torch.Tensor, gate: GateConfig, A_log=None, dt_bias=None, chu
     gcum = torch.empty(B, T, HV, K, dtype=torch.float32, device=g.device)
     BK = min(64, triton.next_power_of_2(K))
     grid = (B * HV, seqs.chunk_slots, triton.cdiv(K, BK))
+    lower_bound, modes = gate_launch_args(gate, A_log, dt_bias)
     gate_cumsum_kernel[grid](
-        g, A_log, dt_bias, gcum, *seqs.pointers(gcum), T, float(gate.lower_bound or 0.0),
-        HV=HV, K=K, C=chunk_size, BK=BK,
-        MODE=gate_mode(gate), HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, PACKED=seqs.packed,
+        g, A_log, dt_bias, gcum, *seqs.pointers(gcum), T, lower_bound,
+        HV=HV, K=K, C=chunk_size, BK=BK, PACKED=seqs.packed, **modes,
     )
     return gcum

@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gate import gate_chunk, gate_mode
+from .gate import gate_chunk, gate_launch_args
 from .options import GateConfig, L2NORM_EPS
 from .seqs import Seqs, chunk_span, fixed
 
@@ -315,7 +315,7 @@ def intra_chunk_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     SHIFT: tl.constexpr, CHECK_SPAN: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr,
     PACKED: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, BETA_RESIDUAL: tl.constexpr,
-    GATE: tl.constexpr, GATE_MODE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GATE: tl.constexpr, MODE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr,   # gate_chunk's, where GATE
 ):
     # FLA 0.6.0 computes these matrices in three kernels (diagonal blocks, off-diagonal blocks fused
     # with the solve, then the inverse's merges); here one program holds a chunk's Akk in registers,
@@ -343,7 +343,7 @@ def intra_chunk_kernel(
         # Stage 1 in this program (a bounded gate: no kernel reads Γ before this one): the chunk's Γ
         # is stored first, and the barrier makes it visible to the row blocks' loads.
         gate_chunk(g + (bos * HV + i_hv) * K, A_log, dt_bias, gcum, o_c, tl.arange(0, K), T, lower_bound,
-                   i_hv, HV, K, GATE_MODE, HAS_A, HAS_BIAS)
+                   i_hv, HV, K, MODE, HAS_A, HAS_BIAS)
         tl.debug_barrier()
     b_beta = _beta(beta, o_c, o_c < T, HV, BETA_SIGMOID)
     if BETA_RESIDUAL:
@@ -397,6 +397,7 @@ def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64, *, gate_bo
     if gate is not None and not gate_bounded:
         raise ValueError("intra_chunk computes Γ itself only for a bounded gate (gate_bounded=True)")
     g, gate_config, A_log, dt_bias = gate or (None, GateConfig(), None, None)
+    lower_bound, gate_modes = gate_launch_args(gate_config, A_log, dt_bias)
     seqs = seqs or fixed(T, chunk_size)
     Aqk = torch.empty(B, T, HV, chunk_size, dtype=q.dtype, device=q.device)
     Tm = torch.empty(B, T, HV, chunk_size, dtype=k.dtype, device=q.device)
@@ -412,12 +413,12 @@ def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64, *, gate_bo
             EXACT_PRECISION="tf32x3", num_warps=EXACT_NUM_WARPS)
     intra_chunk_kernel[(B * HV, seqs.chunk_slots)](
         q, k, gcum, beta, Aqk, Tm, Dkk, beta if beta_residual is None else beta_residual,
-        beta if qk_rstd is None else qk_rstd, g, A_log, dt_bias, *seqs.pointers(Aqk), T, scale,
-        float(gate_config.lower_bound or 0.0), **layout, CHECK_SPAN=not gate_bounded, BETA_SIGMOID=float(beta_sigmoid or 0.0),
+        beta if qk_rstd is None else qk_rstd, g, A_log, dt_bias, *seqs.pointers(Aqk), T, scale, lower_bound,
+        **layout, CHECK_SPAN=not gate_bounded, BETA_SIGMOID=float(beta_sigmoid or 0.0),
         BETA_RESIDUAL=beta_residual is not None,
         # Precision (module docstring). The interpreter ignores DOT_PRECISION and multiplies in fp32.
         DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", SPLIT_BF16=q.dtype == torch.bfloat16,
-        GATE=g is not None, GATE_MODE=gate_mode(gate_config), HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None,
+        GATE=g is not None, **gate_modes,
         num_warps=num_warps,
     )
     return Aqk, Tm
