@@ -1,8 +1,7 @@
 """`kda_forward`: validate once, then launch the stages of SPEC §3 on the current stream.
 
     seqs     = packed(cu_seqlens)             packed sequences only: chunk table (kda_opt/seqs)
-    Γ        = gate_cumsum(g)                 stage 1, Triton   (kda_opt/gate; inside stage 2's
-                                              kernel where FUSE_GATE and the gate is bounded)
+    Γ        = gate_cumsum(g)                 stage 1, Triton   (kda_opt/gate)
     Aqk, Tm  = intra_chunk(q, k, Γ, β)        stages 2+3, Triton (kda_opt/intra: Akk and its
                                               inverse Tm = (I + Akk)⁻¹ Diag(β) in one kernel;
                                               β's residual r where β is not a 16-bit number,
@@ -38,9 +37,6 @@ SAFE_LOWER_BOUND = (-5.0, 0.0)  # the range in which safe_gate keeps in-chunk ex
 # Measured on H100: 4 segments of 4096 tokens at (1, 16384, 16) lose to 2 of 8192 (1.18 against 0.93 ms).
 SEGMENT_TOKENS = 8192
 MAX_SEGMENTS = 8
-# Stage 1 inside stage 2's kernel where the gate is bounded (kda_opt/intra, gate=): one launch and one
-# pass over Γ fewer. Built in the eleventh session, checked on the CPU only: off until measured.
-FUSE_GATE = False
 
 nvtx_range = functools.partial(nvtx.annotate, domain="kda_opt")
 
@@ -198,16 +194,11 @@ def _stages_1_to_3(q, k, g, beta, seqs=None, *, gate, A_log, dt_bias, scale, chu
     HV = g.shape[2]
     r = q.new_empty((B, HV, T), dtype=torch.float32) if residual else None
     rstd = q.new_empty((2, B, H, T), dtype=torch.float32) if l2norm else None   # 1 / ‖q‖, 1 / ‖k‖
-    fuse = FUSE_GATE and gate.bounded
-    if fuse:
-        gcum = g.new_empty(g.shape, dtype=torch.float32)           # written by stage 2
-    else:
-        with nvtx_range("kda_opt/gate"):
-            gcum = gate_cumsum(g, gate, A_log, dt_bias, chunk_size, seqs)
+    with nvtx_range("kda_opt/gate"):
+        gcum = gate_cumsum(g, gate, A_log, dt_bias, chunk_size, seqs)
     with nvtx_range("kda_opt/intra"):
         Aqk, Tm = intra_chunk(q, k, gcum, beta, scale, chunk_size, gate_bounded=gate.bounded, seqs=seqs,
-                              l2norm=l2norm, beta_sigmoid=beta_sigmoid, beta_residual=r, qk_rstd=rstd,
-                              gate=(g, gate, A_log, dt_bias) if fuse else None)
+                              l2norm=l2norm, beta_sigmoid=beta_sigmoid, beta_residual=r, qk_rstd=rstd)
     return gcum, Aqk, Tm, r, rstd
 
 

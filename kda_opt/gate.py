@@ -21,13 +21,21 @@ SOFTPLUS: tl.constexpr = tl.constexpr(2)
 
 
 @triton.jit
-def gate_chunk(g, A_log, dt_bias, gcum, o_t, o_k, T, lower_bound, i_h, HV: tl.constexpr, K: tl.constexpr,
-               MODE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Γ of one chunk's rows o_t [C] (tokens from the sequence's first; rows ≥ T not stored) and
-    channels o_k [BK] of head i_h, stored to gcum: g and gcum point at head i_h of the sequence's
-    first token. Also the prologue of stage 2 where it takes the raw gate (kda_opt/intra)."""
+def gate_cumsum_kernel(
+    g, A_log, dt_bias, gcum,       # [B, T, HV, K], [HV], [HV·K], [B, T, HV, K]
+    cu_seqlens, chunk_indices,      # packed sequences (kda_opt/seqs)
+    T, lower_bound,
+    HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+    MODE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, PACKED: tl.constexpr,
+):
+    i_bh, i_t, i_k = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    i_h = i_bh % HV
+    bos, T, i_t = chunk_span(i_bh // HV, i_t, T, cu_seqlens, chunk_indices, PACKED)
+    o_t = i_t * C + tl.arange(0, C)
+    o_k = i_k * BK + tl.arange(0, BK)
     m_tk = (o_t[:, None] < T) & (o_k[None, :] < K)
-    o_tk = o_t[:, None].to(tl.int64) * (HV * K) + o_k[None, :]     # past 2³¹ elements in long sequences
+    # Row t of the sequence starting at row bos, head h, sits at ((bos + t)·HV + h)·K.
+    o_tk = ((bos + o_t[:, None]) * HV + i_h) * K + o_k[None, :]
     b_x = tl.load(g + o_tk, mask=m_tk, other=0.0).to(tl.float32)
     if MODE != PREACTIVATED:
         if HAS_BIAS:
@@ -46,41 +54,19 @@ def gate_chunk(g, A_log, dt_bias, gcum, o_t, o_k, T, lower_bound, i_h, HV: tl.co
     tl.store(gcum + o_tk, b_g, mask=m_tk)
 
 
-@triton.jit
-def gate_cumsum_kernel(
-    g, A_log, dt_bias, gcum,       # [B, T, HV, K], [HV], [HV·K], [B, T, HV, K]
-    cu_seqlens, chunk_indices,      # packed sequences (kda_opt/seqs)
-    T, lower_bound,
-    HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-    MODE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, PACKED: tl.constexpr,
-):
-    i_bh, i_t, i_k = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
-    i_h = i_bh % HV
-    bos, T, i_t = chunk_span(i_bh // HV, i_t, T, cu_seqlens, chunk_indices, PACKED)
-    # Row t of the sequence starting at row bos, head h, sits at ((bos + t)·HV + h)·K.
-    head = (bos * HV + i_h) * K
-    gate_chunk(g + head, A_log, dt_bias, gcum + head, i_t * C + tl.arange(0, C), i_k * BK + tl.arange(0, BK),
-               T, lower_bound, i_h, HV, K, MODE, HAS_A, HAS_BIAS)
-
-
-def gate_launch_args(gate: GateConfig, A_log, dt_bias):
-    """lower_bound and the MODE, HAS_A, HAS_BIAS constexprs of a kernel calling gate_chunk."""
-    mode = PREACTIVATED if not gate.in_kernel else SIGMOID if gate.lower_bound is not None else SOFTPLUS
-    return float(gate.lower_bound or 0.0), dict(MODE=mode, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None)
-
-
 def gate_cumsum(g: torch.Tensor, gate: GateConfig, A_log=None, dt_bias=None, chunk_size: int = 64,
                 seqs: Seqs | None = None):
     """Γ = chunk-local cumsum of the activated gate, in log2 units: [B, T, HV, K] float32. seqs: the
     sequence layout (kda_opt/seqs); None is B sequences of T tokens."""
     B, T, HV, K = g.shape
     seqs = seqs or fixed(T, chunk_size)
+    mode = PREACTIVATED if not gate.in_kernel else SIGMOID if gate.lower_bound is not None else SOFTPLUS
     gcum = torch.empty(B, T, HV, K, dtype=torch.float32, device=g.device)
     BK = min(64, triton.next_power_of_2(K))
     grid = (B * HV, seqs.chunk_slots, triton.cdiv(K, BK))
-    lower_bound, modes = gate_launch_args(gate, A_log, dt_bias)
     gate_cumsum_kernel[grid](
-        g, A_log, dt_bias, gcum, *seqs.pointers(gcum), T, lower_bound,
-        HV=HV, K=K, C=chunk_size, BK=BK, PACKED=seqs.packed, **modes,
+        g, A_log, dt_bias, gcum, *seqs.pointers(gcum), T, float(gate.lower_bound or 0.0),
+        HV=HV, K=K, C=chunk_size, BK=BK,
+        MODE=mode, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, PACKED=seqs.packed,
     )
     return gcum

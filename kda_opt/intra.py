@@ -7,9 +7,7 @@ In: q, k [B, T, H, K] (bf16/fp16/fp32; L2-normalised per row here if asked); Γ 
 log2 units; β [B, T, HV] (or its logits, the sigmoid taken here); value head hv reads q/k head
 hv // (HV / H). Out: Aqk [B, T, HV, 64] in q's dtype, Tm [B, T, HV, 64] in k's dtype; row per token,
 column = position in its chunk, zero above the diagonal and past a tail chunk's end. Chunks start at
-each sequence's first token (kda_opt/seqs). Akk never leaves the registers. For a bounded gate the
-kernel may take stage 1's raw gate instead and compute Γ itself first (kda_opt/gate's gate_chunk),
-storing it for the row blocks and for stage 4.
+each sequence's first token (kda_opt/seqs). Akk never leaves the registers.
 
 Products. The chunk's rows are taken in four 16-row blocks R, each one product over its columns on
 tensor cores through a reference exponent C: q_i 2^(Γ_i − C) · k_j 2^(C − Γ_j). With C = Γ_n − SHIFT
@@ -51,8 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gate import gate_chunk, gate_launch_args
-from .options import GateConfig, L2NORM_EPS
+from .options import L2NORM_EPS
 from .seqs import Seqs, chunk_span, fixed
 
 BC = 16  # sub-chunk: rows are computed in blocks of 16, the diagonal in 16×16 blocks
@@ -309,13 +306,11 @@ def _solve_rows(Tm, t0, R: tl.constexpr, T, b_Arr, b_Y, b_beta, HV: tl.constexpr
 def intra_chunk_kernel(
     q, k, gcum, beta, Aqk, Tm, Dkk,  # [B,T,H,K] ×2, [B,T,HV,K], [B,T,HV], [B,T,HV,BT] ×2, [B,T,HV,BC]
     Rb, Rstd,                         # [B,HV,T] fp32 β's residual (BETA_RESIDUAL), [2,B,H,T] fp32 norms (L2NORM)
-    g, A_log, dt_bias,                # the raw gate [B,T,HV,K], [HV], [HV·K] (GATE: Γ computed here)
     cu_seqlens, chunk_indices,        # packed sequences (kda_opt/seqs)
-    T, scale, lower_bound,
+    T, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
     SHIFT: tl.constexpr, CHECK_SPAN: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr,
     PACKED: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, BETA_RESIDUAL: tl.constexpr,
-    GATE: tl.constexpr, MODE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr,   # gate_chunk's, where GATE
 ):
     # FLA 0.6.0 computes these matrices in three kernels (diagonal blocks, off-diagonal blocks fused
     # with the solve, then the inverse's merges); here one program holds a chunk's Akk in registers,
@@ -339,12 +334,6 @@ def intra_chunk_kernel(
     Tm += (bos * HV + i_hv) * BT
     Dkk += (bos * HV + i_hv) * BC
     o_c = t0 + tl.arange(0, BT)
-    if GATE:
-        # Stage 1 in this program (a bounded gate: no kernel reads Γ before this one): the chunk's Γ
-        # is stored first, and the barrier makes it visible to the row blocks' loads.
-        gate_chunk(g + (bos * HV + i_hv) * K, A_log, dt_bias, gcum, o_c, tl.arange(0, K), T, lower_bound,
-                   i_hv, HV, K, MODE, HAS_A, HAS_BIAS)
-        tl.debug_barrier()
     b_beta = _beta(beta, o_c, o_c < T, HV, BETA_SIGMOID)
     if BETA_RESIDUAL:
         b_round = b_beta.to(Tm.dtype.element_ty).to(tl.float32)
@@ -378,7 +367,6 @@ def intra_chunk_kernel(
 def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64, *, gate_bounded: bool = False,
                 seqs: Seqs | None = None, l2norm: bool = False, beta_sigmoid: float | None = None,
                 beta_residual: torch.Tensor | None = None, qk_rstd: torch.Tensor | None = None,
-                gate: tuple[torch.Tensor, GateConfig, torch.Tensor | None, torch.Tensor | None] | None = None,
                 num_warps: int = NUM_WARPS):
     """Aqk [B, T, HV, C] (q's dtype) and Tm [B, T, HV, C] (k's dtype) of every chunk (C = 64).
     gate_bounded: every log-decay a ≥ −5 (log2 units: Γ falls at most 5/ln 2 per token), so no
@@ -387,17 +375,11 @@ def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64, *, gate_bo
     logits and β = beta_sigmoid · sigmoid(beta) (None: beta is β). beta_residual: a [B, HV, T] fp32
     tensor that receives β − β rounded to Tm's dtype (module docstring). qk_rstd: with l2norm, a
     [2, B, H, T] fp32 tensor that receives q's and k's 1 / sqrt(Σ x² + eps) per token (None: a
-    buffer of the launcher's own). gate: (g, GateConfig, A_log, dt_bias), stage 1's arguments: the
-    kernel computes Γ itself (kda_opt/gate's gate_chunk) and writes it into gcum, then an output
-    [B, T, HV, K] fp32 (for a bounded gate only). num_warps is a tuning knob (scripts/bench_stages.py)."""
+    buffer of the launcher's own). num_warps is a tuning knob (scripts/bench_stages.py)."""
     B, T, H, K = q.shape
     HV = gcum.shape[2]
     if chunk_size != 4 * BC:
         raise ValueError(f"intra_chunk computes chunks of {4 * BC}, got chunk_size={chunk_size}")
-    if gate is not None and not gate_bounded:
-        raise ValueError("intra_chunk computes Γ itself only for a bounded gate (gate_bounded=True)")
-    g, gate_config, A_log, dt_bias = gate or (None, GateConfig(), None, None)
-    lower_bound, gate_modes = gate_launch_args(gate_config, A_log, dt_bias)
     seqs = seqs or fixed(T, chunk_size)
     Aqk = torch.empty(B, T, HV, chunk_size, dtype=q.dtype, device=q.device)
     Tm = torch.empty(B, T, HV, chunk_size, dtype=k.dtype, device=q.device)
@@ -413,12 +395,11 @@ def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64, *, gate_bo
             EXACT_PRECISION="tf32x3", num_warps=EXACT_NUM_WARPS)
     intra_chunk_kernel[(B * HV, seqs.chunk_slots)](
         q, k, gcum, beta, Aqk, Tm, Dkk, beta if beta_residual is None else beta_residual,
-        beta if qk_rstd is None else qk_rstd, g, A_log, dt_bias, *seqs.pointers(Aqk), T, scale, lower_bound,
-        **layout, CHECK_SPAN=not gate_bounded, BETA_SIGMOID=float(beta_sigmoid or 0.0),
+        beta if qk_rstd is None else qk_rstd, *seqs.pointers(Aqk), T, scale, **layout,
+        CHECK_SPAN=not gate_bounded, BETA_SIGMOID=float(beta_sigmoid or 0.0),
         BETA_RESIDUAL=beta_residual is not None,
         # Precision (module docstring). The interpreter ignores DOT_PRECISION and multiplies in fp32.
         DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", SPLIT_BF16=q.dtype == torch.bfloat16,
-        GATE=g is not None, **gate_modes,
         num_warps=num_warps,
     )
     return Aqk, Tm

@@ -66,10 +66,8 @@ def replay(records, **extra):
 
 
 def stage_bytes(records, inputs, outputs):
-    """Bytes of a stage's launches: the first `inputs` arguments and `outputs(result)` of each, and the
-    raw gate where stage 2 computes Γ itself (kda_opt/forward's FUSE_GATE: Γ is then written, not read)."""
-    return sum(nbytes(*args[:inputs], *outputs(result), *(kwargs.get("gate") or ())[:1])
-               for _, args, kwargs, result in records)
+    """Bytes of a stage's launches: the first `inputs` arguments and `outputs(result)` of each."""
+    return sum(nbytes(*args[:inputs], *outputs(result)) for _, args, _, result in records)
 
 
 def stage_rows(stages, intra_warps, block_v, worker_warps):
@@ -78,8 +76,7 @@ def stage_rows(stages, intra_warps, block_v, worker_warps):
     rows = []
     if "packed" in stages:
         rows.append(("seqs (chunk table)", replay(stages["packed"]), 0))
-    if "gate_cumsum" in stages:               # not where stage 2 computes Γ (kda_opt/forward's FUSE_GATE)
-        rows.append(("gate", replay(stages["gate_cumsum"]), stage_bytes(stages["gate_cumsum"], 1, lambda r: [r])))
+    rows.append(("gate", replay(stages["gate_cumsum"]), stage_bytes(stages["gate_cumsum"], 1, lambda r: [r])))
     for w in intra_warps:
         rows.append((f"intra warps={w or 'default'}", replay(stages["intra_chunk"], **({"num_warps": w} if w else {})),
                      stage_bytes(stages["intra_chunk"], 4, list)))

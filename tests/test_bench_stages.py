@@ -63,8 +63,3 @@ def test_stage_rows_each_call_their_own_stage(monkeypatch):
     assert [kw["block_v"] for _, _, kw, _ in ran[3:]] == [None] * 4 + [32] * 4
     assert [k for *_, k in ran[3:]] == [kernel, kernel, {"num_worker_warps": 4}, {"num_worker_warps": 4}] * 2
     assert bs.stage4.wuso_kernel is kernel                    # the worker-warp variants are put back
-    # FUSE_GATE: no stage 1, and stage 2 reads the raw gate g (8 more bytes) besides writing Γ.
-    fused = {"intra_chunk": [(launcher("intra"), (x, x, x, x), {"gate": (x, None, None, None)}, (x, x))],
-             "wuso": stages["wuso"]}
-    rows = bs.stage_rows(fused, [None], [0], [0])
-    assert [(label, n) for label, _, n in rows] == [("intra warps=default", 56), ("wuso bv=auto warps=8", 2 * 56)]

@@ -6,13 +6,10 @@ import pytest
 import torch
 
 from kda_opt import forward, kda_forward, reference
-from kda_opt.gate import gate_cumsum
 from kda_opt.inputs import GATE_MODES, random_inputs
-from kda_opt.options import GateConfig
-from kda_opt.seqs import packed
 from kda_opt.reference import reference_forward
 from kda_opt.wuso import wuso
-from tests.conftest import HAS_CUDA, gpu, kernel_device, rel_err
+from tests.conftest import HAS_CUDA, gpu, rel_err
 
 PER_TOKEN = ("q", "k", "v", "g", "beta")  # kda_forward's arguments with a row per token
 
@@ -388,47 +385,6 @@ def test_forward_time_segments(monkeypatch, call):
     o_seg, s_seg = kda_forward(**args)
     assert len(launches) == len(forward.time_segments(1000, 1, 2, 132, False)) > 1
     assert torch.equal(o_seg, o) and torch.equal(s_seg, s)
-
-
-@pytest.mark.parametrize("gate", ["safe", "safe_no_A", "softplus"])
-@pytest.mark.parametrize("seqlens", [None, (100, 1, 0, 29)])
-def test_stages_1_to_3_fused_gate(monkeypatch, gate, seqlens):
-    """FUSE_GATE's wiring, on the CPU too (stages 1–3 only; test_forward_fused_gate runs the whole
-    forward): for a bounded gate stage 2 computes Γ, and Γ, Aqk, Tm and the norms are the separate
-    stages' bit for bit; an unbounded gate (softplus) keeps stage 1 apart."""
-    args = random_inputs(1 if seqlens else 2, 130, 2, 64, gate=gate, dtype=torch.float32, device=kernel_device(),
-                         seed=44, seqlens=seqlens, l2norm=True, beta_logits=True)
-    config = GateConfig(in_kernel=True, lower_bound=args.get("lower_bound"), safe_gate=args.get("safe_gate", False))
-    seqs = None if seqlens is None else packed(args["cu_seqlens"], 130, 64)
-    launches = []
-    monkeypatch.setattr(forward, "gate_cumsum", lambda *a, **kw: launches.append(1) or gate_cumsum(*a, **kw))
-
-    def stages():
-        return forward._stages_1_to_3(args["q"], args["k"], args["g"], args["beta"], seqs, gate=config,
-                                      A_log=args.get("A_log"), dt_bias=args["dt_bias"], scale=0.125, chunk_size=64,
-                                      l2norm=True, beta_sigmoid=1.0, residual=False)
-    apart = stages()
-    monkeypatch.setattr(forward, "FUSE_GATE", True)
-    fused = stages()
-    assert len(launches) == 1 + (gate == "softplus")
-    assert all(torch.equal(x, y) for x, y in zip(fused, apart) if x is not None)
-
-
-@gpu
-@pytest.mark.parametrize("call", [dict(), dict(l2norm=True, beta_logits=True, state_v_first=True, initial_state=True),
-                                  dict(gate="softplus")])
-@pytest.mark.parametrize("seqlens", [None, (300, 1, 0, 211)])
-def test_forward_fused_gate(monkeypatch, call, seqlens):
-    """FUSE_GATE (stage 1 inside stage 2's kernel for a bounded gate): one separate pass's numbers bit
-    for bit, fixed-length and packed; an unbounded gate (softplus) keeps stage 1 apart."""
-    args = random_inputs(1 if seqlens else 2, 512, 2, 128, seed=43, seqlens=seqlens, **call)
-    o, s = kda_forward(**args)
-    monkeypatch.setattr(forward, "FUSE_GATE", True)
-    launches = []
-    monkeypatch.setattr(forward, "gate_cumsum", lambda *a, **kw: launches.append(1) or gate_cumsum(*a, **kw))
-    o_fused, s_fused = kda_forward(**args)
-    assert len(launches) == (call.get("gate") == "softplus")
-    assert torch.equal(o_fused, o) and (s is None or torch.equal(s_fused, s))
 
 
 @gpu

@@ -10,9 +10,7 @@ import pytest
 import torch
 
 from kda_opt import reference as ref
-from kda_opt.gate import gate_cumsum
 from kda_opt.intra import intra_chunk
-from kda_opt.options import GateConfig
 from kda_opt.seqs import packed
 from tests.conftest import gpu, kernel_device, rel_err
 from tests.stage_inputs import qk_rstd, stage_inputs
@@ -153,31 +151,6 @@ def test_intra_beta_residual(B, seqlens):
     ulp = torch.exp2(torch.floor(torch.log2(beta)) - 7)   # bf16: 8 significant bits
     assert torch.equal(rounded.bfloat16().float(), rounded) and bool((r.abs() < ulp).all())
     assert r.abs().max() > 0
-
-
-@pytest.mark.parametrize("params", [False, True])
-@pytest.mark.parametrize("l2norm", [False, True])
-@pytest.mark.parametrize("B,seqlens", [(2, None), (1, (1, 64, 0, 100))])
-def test_intra_computes_the_gate(B, seqlens, l2norm, params):
-    """With stage 1's arguments (gate=) the kernel computes Γ itself: the Γ it writes is stage 1's
-    gate_cumsum bit for bit, and so are Aqk and Tm (the sigmoid gate, with and without A_log and
-    dt_bias; fixed-length and packed sequences, a tail chunk and an empty sequence)."""
-    T, H, HV, K = 165, 1, 2, 64
-    dev = kernel_device()
-    x = stage_inputs(B, T, H, K, HV=HV, device=dev, seed=23)
-    gen = torch.Generator().manual_seed(5)
-    g = (2 * torch.randn(B, T, HV, K, generator=gen)).to(dev)
-    A_log, dt_bias = (torch.randn(HV, generator=gen).to(dev), torch.randn(HV * K, generator=gen).to(dev)) if params else (None, None)
-    gate = GateConfig(in_kernel=True, lower_bound=-5.0, safe_gate=True)
-    seqs = None if seqlens is None else packed(torch.tensor([0, *seqlens]).cumsum(0).to(dev), T, C)
-    kw = dict(gate_bounded=True, seqs=seqs, l2norm=l2norm)
-    gcum = gate_cumsum(g, gate, A_log, dt_bias, C, seqs)
-    Aqk, Tm = intra_chunk(x["q"], x["k"], gcum, x["beta"], 0.125, **kw)
-    gcum_here = torch.full_like(gcum, float("nan"))
-    Aqk_here, Tm_here = intra_chunk(x["q"], x["k"], gcum_here, x["beta"], 0.125, gate=(g, gate, A_log, dt_bias), **kw)
-    assert torch.equal(gcum_here, gcum) and torch.equal(Aqk_here, Aqk) and torch.equal(Tm_here, Tm)
-    with pytest.raises(ValueError, match="bounded gate"):
-        intra_chunk(x["q"], x["k"], gcum_here, x["beta"], 0.125, gate=(g, gate, A_log, dt_bias), seqs=seqs)
 
 
 @pytest.mark.parametrize("gate", ["safe", "softplus"])
