@@ -3,7 +3,7 @@
 #   bash scripts/profile.sh [--iters N] [--no-fla] [scripts/test.py shape options]
 # Writes profiles/<gpu>_<shape>_kern.txt (kernel summary), _nvtx.txt (NVTX ranges) and
 # _stages.txt (ms per pipeline stage, FLA's kernels beside ours, FlashKDA's per kernel where it runs the
-# case), and refreshes profiles/README.md.
+# case), and sets that shape's table in profiles/README.md (its notes and other shapes' sections kept).
 # The .nsys-rep stays in $PROFILE_TMP (default /tmp/kda_profile), out of git. Without nsys it says so
 # and falls back to torch.profiler for the kernel summary (no NVTX report then).
 set -euo pipefail

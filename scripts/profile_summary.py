@@ -1,6 +1,7 @@
 """Turns a profile's kernel trace into ms per pipeline stage for kda_opt and FLA (per kernel for
 FlashKDA, whose two kernels do not split along our stages), and writes
-profiles/<tag>_stages.txt and the per-stage table of profiles/README.md. Used by scripts/profile.sh.
+profiles/<tag>_stages.txt and that shape's table in profiles/README.md (other shapes' sections and the
+notes under each table kept). Used by scripts/profile.sh.
 
 Kernels belong to a system by the NVTX range `kda_opt/profile/<system>` their start falls in (or by a
 System column, from the torch.profiler fallback), and to a stage by their name.
@@ -9,6 +10,7 @@ import argparse
 import csv
 import datetime
 import os
+import re
 import sys
 from collections import defaultdict
 
@@ -105,7 +107,24 @@ def kernel_summary(kernels, iters):
     return "\n".join(lines) + "\n"
 
 
-def write_readme(tag, case, table, source):
+def readme_text(old, heading, stamp, table, source):
+    """profiles/README.md's text with the section `## {heading}` set to stamp and table: replaced where
+    it exists (the notes after its table kept), else added; the other sections left as they were."""
+    preamble = (f"# Profiles\n\nPer-stage GPU time of one forward, from `bash scripts/profile.sh` ({source}); "
+                f"kernel and NVTX summaries beside this file as `<gpu>_<shape>_{{kern,nvtx,stages}}.txt`.\n\n")
+    section = f"## {heading}\n\n{stamp}\n\n```\n{table}```\n"
+    parts = re.split(r"(?m)^(?=## )", old or preamble)
+    for i, part in enumerate(parts[1:], 1):
+        if part.splitlines()[0] == f"## {heading}":
+            table_end = part.index("```\n", part.index("```\n") + 4) + 4
+            parts[i] = section + part[table_end:]
+            break
+    else:
+        parts.append(("" if parts[-1].endswith("\n\n") else "\n") + section)
+    return preamble + "".join(parts[1:])
+
+
+def write_readme(tag, case, table, source, path="profiles/README.md"):
     import torch
     import triton
     versions = f"torch {torch.__version__}, triton {triton.__version__}"
@@ -114,12 +133,10 @@ def write_readme(tag, case, table, source):
         versions += f", fla-core {fla.__version__}"
     except ImportError:
         pass
-    text = (f"# Profiles\n\nPer-stage GPU time of one forward, from `bash scripts/profile.sh` "
-            f"({source}); kernel and NVTX summaries beside this file as `<gpu>_<shape>_{{kern,nvtx,stages}}.txt`.\n\n"
-            f"## {case.label}, {tag}\n\n{datetime.date.today()}, {torch.cuda.get_device_name()}, {versions}.\n\n"
-            f"```\n{table}```\n")
-    with open("profiles/README.md", "w") as f:
-        f.write(text)
+    old = open(path).read() if os.path.exists(path) else None
+    stamp = f"{datetime.date.today()}, {torch.cuda.get_device_name()}, {versions}."
+    with open(path, "w") as f:
+        f.write(readme_text(old, f"{case.label}, {tag}", stamp, table, source))
 
 
 def main():

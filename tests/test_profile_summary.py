@@ -52,3 +52,16 @@ def test_flashkda_listed_per_kernel(tmp_path):
                                     "10,5000,kda_fwd_kernel2<128>,flashkda\n")
     stages, _ = ps.per_stage(ps.read_kernels(tmp_path / "t.csv", None), iters=1)
     assert stages["flashkda"] == {"kda_fwd_kernel1": 0.003, "kda_fwd_kernel2": 0.005}
+
+
+def test_readme_sections():
+    """Each shape's table replaces only its own section; the notes under a table and the other
+    sections stay."""
+    text = ps.readme_text(None, "A, a", "day 1", "table A1\n", "nsys 1")
+    text = ps.readme_text(text.replace("table A1\n```\n", "table A1\n```\n\nnotes on A\n"), "B, b", "day 1",
+                          "table B1\n", "nsys 1")
+    text = ps.readme_text(text, "A, a", "day 2", "table A2\n", "nsys 2")
+    assert text == ("# Profiles\n\nPer-stage GPU time of one forward, from `bash scripts/profile.sh` (nsys 2); "
+                    "kernel and NVTX summaries beside this file as `<gpu>_<shape>_{kern,nvtx,stages}.txt`.\n\n"
+                    "## A, a\n\nday 2\n\n```\ntable A2\n```\n\nnotes on A\n"
+                    "\n## B, b\n\nday 1\n\n```\ntable B1\n```\n")
