@@ -124,7 +124,7 @@ def readme_text(old, heading, stamp, table, source):
     return preamble + "".join(parts[1:])
 
 
-def write_readme(tag, case, table, source, path="profiles/README.md"):
+def write_readme(tag, case, table, source):
     import torch
     import triton
     versions = f"torch {torch.__version__}, triton {triton.__version__}"
@@ -133,6 +133,7 @@ def write_readme(tag, case, table, source, path="profiles/README.md"):
         versions += f", fla-core {fla.__version__}"
     except ImportError:
         pass
+    path = "profiles/README.md"
     old = open(path).read() if os.path.exists(path) else None
     stamp = f"{datetime.date.today()}, {torch.cuda.get_device_name()}, {versions}."
     with open(path, "w") as f:
