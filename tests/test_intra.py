@@ -60,21 +60,13 @@ def assert_structure(Aqk, Tm, beta, T, lens=None):
     assert ((diag - beta).abs() <= torch.finfo(Tm.dtype).eps * beta).all()
 
 
-def packed_gcum(a, lens):
-    """Γ / ln 2 (fp32) of the log-decay a [1, T, HV, K] for sequences of `lens` packed along T, each
-    summed from its own first token."""
-    cu = torch.tensor([0, *lens]).cumsum(0).tolist()
-    return (torch.cat([ref.chunk_cumsum(a[:, s:e]) for s, e in zip(cu[:-1], cu[1:]) if e > s], dim=1)
-            / math.log(2.0)).float()
-
-
 def run_packed(x, lens, scale, l2norm=False):
     """Sequences of `lens` packed along x's T (B = 1), Γ restarted at each one's first token: the
     kernel's Aqk and Tm, and the reference's, sequence by sequence (q, k L2-normalised if asked; the
     norms the kernel writes then checked here)."""
     cu = torch.tensor([0, *lens]).cumsum(0)
     bounds = [(a, b) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()) if b > a]
-    gcum = packed_gcum(x["a"], lens)
+    gcum = (torch.cat([ref.chunk_cumsum(x["a"][:, a:b]) for a, b in bounds], dim=1) / math.log(2.0)).float()
     q, k, beta = x["q"], x["k"], x["beta"]
     norms = torch.full((2, q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device) if l2norm else None
     Aqk, Tm = intra_chunk(q, k, gcum, beta, scale, gate_bounded=x["bounded"], l2norm=l2norm,
