@@ -77,11 +77,15 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, scale: float,
     dt = Q.dtype                                              # mma operand dtype; fp32 stays fp32
     # States [N, HV, K, V], or [N, HV, V, K] (V_FIRST): the tiles are [K, BV] either way.
     state_order = (0, 1, 3, 2) if V_FIRST else (0, 1, 2, 3)
-    if HAS_S0:
-        S = ct.load(S0, index=(i_n, i_hv, 0, i_v), shape=(1, 1, K, BV), order=state_order).reshape((K, BV)).astype(F32)
-    else:
-        S = ct.zeros((K, BV), dtype=F32)
+    # S0 joins S inside the first iteration, not before the loop: loaded there, its tile gave the
+    # loop-carried S another layout, and the compiler then dropped the warp-specialised pipeline
+    # (255 registers, spills; an initial state doubled this kernel's time). Here the kernel is the
+    # one without a state (tests/test_wuso.py compares their resources).
+    S = ct.zeros((K, BV), dtype=F32)
     for i_t in range(ct.cdiv(T, C)):
+        if HAS_S0:
+            if i_t == 0:
+                S = S + _initial_state(S0, i_n, i_hv, i_v, K, BV, V_FIRST)
         # Rows past T (tail chunk) load as zeros, so they add nothing; the O store drops them.
         q = ct.load(Q, index=(i_b, i_t, i_h, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
         k = ct.load(Kx, index=(i_b, i_t, i_h, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
@@ -127,8 +131,19 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, scale: float,
         g_last_t = ct.transpose(g_last)                                              # [K, 1]
         k_dec_t = ct.transpose(kf) * ct.exp2(g_last_t - ct.transpose(g), flush_to_zero=True)  # [K, C]
         S = ct.mma(k_dec_t.astype(dt), v_new, S * ct.exp2(g_last_t, flush_to_zero=True))     # [K, BV]
+    if HAS_S0:
+        if T == 0:                                            # an empty packed sequence keeps its state
+            S = _initial_state(S0, i_n, i_hv, i_v, K, BV, V_FIRST)
     if STORE_SF:
         ct.store(SF, index=(i_n, i_hv, 0, i_v), tile=S.reshape((1, 1, K, BV)), order=state_order)
+
+
+@ct.function
+def _initial_state(S0, i_n, i_hv, i_v, K: ConstInt, BV: ConstInt, V_FIRST: ConstBool):
+    """S0's [K, BV] tile of (sequence i_n, value head i_hv, V block i_v) in fp32, from [N, HV, K, V]
+    or [N, HV, V, K] (V_FIRST)."""
+    order = (0, 1, 3, 2) if V_FIRST else (0, 1, 2, 3)
+    return ct.load(S0, index=(i_n, i_hv, 0, i_v), shape=(1, 1, K, BV), order=order).reshape((K, BV)).astype(F32)
 
 
 def block_v_for(programs: int, V: int, sms: int, dtype: torch.dtype) -> int:

@@ -2,6 +2,10 @@
 GPU against the float64 state pass fed the same Γ, Tm and Aqk (tier d)."""
 import io
 import math
+import os
+import re
+import subprocess
+import tempfile
 
 import pytest
 import torch
@@ -111,6 +115,33 @@ def test_exports_beta_residual(seqs):
     fixed-length and packed."""
     assert_kernel_cubin(cubin(torch.bfloat16, 128, True, True, seqs=seqs, l2norm=True, state_v_first=True,
                               state_dtype=torch.bfloat16, beta_residual=True))
+
+
+def resources(binary) -> tuple[int, int]:
+    """(registers, stack frame bytes) per thread of a cubin's kernel, read by the cuobjdump that
+    Triton's NVIDIA backend ships."""
+    import triton
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.access(tool, os.X_OK):
+        pytest.skip(f"no cuobjdump at {tool}")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(binary)
+        f.flush()
+        report = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", report)
+    return int(found[1]), int(found[2])
+
+
+@pytest.mark.parametrize("call", [
+    dict(), dict(state_v_first=True), dict(state_dtype=torch.bfloat16), dict(seqs=(64, torch.int32)),
+    dict(l2norm=True, state_v_first=True, beta_residual=True)])
+def test_initial_state_costs_no_resources(call):
+    """An initial state is one [K, BV] load per program: the kernel that reads it keeps the
+    registers and stack frame of the kernel without it. (Loaded before the loop, the state had
+    taken the compiler off its warp-specialised pipeline: 255 registers and spills, twice the time.)"""
+    with_state = resources(cubin(torch.bfloat16, 128, True, True, **call))
+    without = resources(cubin(torch.bfloat16, 128, False, True, **{k: v for k, v in call.items() if k != "state_dtype"}))
+    assert with_state[0] <= without[0] and with_state[1] <= without[1], (with_state, without)
 
 
 def test_block_v_fills_one_wave():
