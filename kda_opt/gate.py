@@ -3,7 +3,8 @@
     a = lower_bound · sigmoid(exp(A_log) · (g + dt_bias))    (lower_bound given; A_log optional)
     a = −exp(A_log) · softplus(g + dt_bias)                  (otherwise)
     a = g                                                    (gate not activated in kernel)
-    Γ_t = Σ_{s ≤ t in t's chunk} a_s / ln 2                  (log2 units: later stages use exp2)
+    Γ_t = Σ_{s ≤ t in t's chunk} max(a_s, floor) / ln 2      (log2 units: later stages use exp2)
+floor = −24 ln 2 (kda_opt/options.LOG_DECAY_FLOOR): a decay below 2^-24 per token counts as 2^-24.
 In: g [B, T, HV, K] (any float dtype), A_log [HV] fp32, dt_bias [HV·K] fp32.  Out: Γ [B, T, HV, K] fp32.
 Chunks start at each sequence's first token (kda_opt/seqs: fixed-length or packed sequences).
 """
@@ -11,13 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .options import GateConfig
+from .options import LOG_DECAY_FLOOR, GateConfig
 from .seqs import Seqs, chunk_span, fixed
 
 # Gate modes, resolved once by the launcher from the GateConfig.
 PREACTIVATED: tl.constexpr = tl.constexpr(0)
 SIGMOID: tl.constexpr = tl.constexpr(1)
 SOFTPLUS: tl.constexpr = tl.constexpr(2)
+FLOOR: tl.constexpr = tl.constexpr(LOG_DECAY_FLOOR)
 
 
 @triton.jit
@@ -50,6 +52,7 @@ def gate_cumsum_kernel(
             # softplus(x) = max(x, 0) + log(1 + exp(−|x|)): no overflow for large x.
             b_x = -b_rate * (tl.maximum(b_x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(b_x))))
     # Rows past T were loaded as 0 and activate to a finite value; they are never stored.
+    b_x = tl.maximum(b_x, FLOOR)
     b_g = tl.cumsum(b_x, axis=0) * 1.4426950408889634  # 1 / ln 2
     tl.store(gcum + o_tk, b_g, mask=m_tk)
 

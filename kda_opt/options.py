@@ -1,8 +1,13 @@
 """Options that travel through the pipeline as one frozen value instead of loose arguments."""
+import math
 from dataclasses import dataclass
 
 # FLA's l2norm (use_qk_l2norm_in_kernel): x / sqrt(Σ x² + L2NORM_EPS) per head and token.
 L2NORM_EPS = 1e-6
+# The per-token log-decay is floored here (natural log): a decay below 2^-24 is taken as 2^-24. What
+# the floor changes in a state is below fp32's resolution of that state, and it bounds how far Γ
+# falls per token, which stage 2 needs for any gate (kda_opt/intra, "Unbounded gates").
+LOG_DECAY_FLOOR = -24 * math.log(2.0)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ GVA: value head hv reads q/k head hv // (HV / H). Every function returns float64
 import torch
 import torch.nn.functional as F
 
-from .options import L2NORM_EPS
+from .options import L2NORM_EPS, LOG_DECAY_FLOOR
 
 
 def rel_err(out, ref) -> float:
@@ -36,6 +36,12 @@ def activate_gate(g, A_log=None, dt_bias=None, lower_bound=None):
     if rate is None:
         raise ValueError("the softplus gate needs A_log")
     return -rate * F.softplus(x)
+
+
+def floored(a):
+    """The log-decay as the engine's stage 1 passes it on: max(a, LOG_DECAY_FLOOR) (kda_opt/options).
+    The recurrence here takes a as it is; the stage references take it floored."""
+    return a.double().clamp_min(LOG_DECAY_FLOOR)
 
 
 def _expand_heads(x, HV):

@@ -11,7 +11,7 @@ from kda_opt.options import L2NORM_EPS
 def stage_inputs(B, T, H, K, V=None, HV=None, gate="safe", dtype=torch.float32, device="cpu", seed=0):
     """On `device`: q, k [B, T, H, K], v [B, T, HV, V], β [B, T, HV] in dtype; a and Γ (natural log)
     in float64; gcum = Γ / ln 2 in fp32. `gate`: "safe" (a ≥ −5 per token; bounded=True) or "softplus"
-    (a down to ≈ −50)."""
+    (−4·softplus(3x), down to ≈ −50, floored as stage 1 floors it: reference.floored)."""
     V, HV = V or K, HV or H
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, T, H, K, generator=gen)
@@ -19,7 +19,7 @@ def stage_inputs(B, T, H, K, V=None, HV=None, gate="safe", dtype=torch.float32, 
     v = torch.randn(B, T, HV, V, generator=gen)
     beta = torch.rand(B, T, HV, generator=gen)
     x = torch.randn(B, T, HV, K, generator=gen, dtype=torch.float64).to(device)
-    a = -5 * torch.sigmoid(x) if gate == "safe" else -4 * torch.nn.functional.softplus(3 * x)
+    a = -5 * torch.sigmoid(x) if gate == "safe" else ref.floored(-4 * torch.nn.functional.softplus(3 * x))
     gamma = ref.chunk_cumsum(a)
     to = lambda t: t.to(device=device, dtype=dtype)
     return dict(q=to(q), k=to(k), v=to(v), beta=to(beta), a=a, gamma=gamma,

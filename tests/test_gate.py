@@ -1,4 +1,5 @@
-"""Stage 1 (gate activation + chunk cumsum, log2 units) against the reference, every gate mode."""
+"""Stage 1 (gate activation, the log-decay floor, chunk cumsum in log2 units) against the reference,
+every gate mode."""
 import math
 
 import pytest
@@ -21,7 +22,7 @@ MODES = {
 
 def expected_gcum(g, gate, A_log, dt_bias, C):
     a = ref.activate_gate(g, A_log, dt_bias, gate.lower_bound) if gate.in_kernel else g.double()
-    return ref.chunk_cumsum(a, C) / math.log(2.0)
+    return ref.chunk_cumsum(ref.floored(a), C) / math.log(2.0)
 
 
 def run_case(B, T, HV, K, mode, dtype, device, C=64):
@@ -74,6 +75,25 @@ def test_gate_packed_sequences(lens, mode):
     expected = torch.cat([expected_gcum(g[:, a:b], gate, A_log, dt_bias, 64)
                           for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())], dim=1)
     assert rel_err(out, expected) < 1e-6
+
+
+@pytest.mark.parametrize("mode", ["softplus", "preactivated"])
+def test_gate_floor(mode):
+    """A log-decay below LOG_DECAY_FLOOR (decay < 2^-24) counts as the floor: Γ falls by exactly 24
+    (log2 units) per such token, at most, whatever the gate; milder tokens keep their own value."""
+    gate = MODES[mode][0]
+    g = torch.tensor([0.0, 40.0, -3.0, 1e4, 2.0]).view(1, 5, 1, 1).expand(1, 5, 1, 4).clone()
+    if mode == "preactivated":
+        g = torch.tensor([-0.5, -100.0, -3.0, -float("inf"), -16.0]).view(1, 5, 1, 1).expand(1, 5, 1, 4).clone()
+    A_log = torch.zeros(1) if mode == "softplus" else None
+    dev = kernel_device()
+    out = gate_cumsum(g.to(dev), gate, None if A_log is None else A_log.to(dev), None, 64).cpu()
+    steps = -torch.diff(torch.cat([torch.zeros(1, 1, 1, 4), out], 1), dim=1) / 24   # in units of the floor
+    a = ref.activate_gate(g, A_log) if gate.in_kernel else g.double()
+    expected = torch.minimum(-a / (24 * math.log(2.0)), torch.ones(()))
+    assert torch.isfinite(out).all()
+    assert torch.allclose(steps.double(), expected, rtol=1e-5, atol=1e-6)   # the GPU's exp and log
+    assert (expected == 1).sum() >= 8 and (expected < 1).sum() >= 8      # both sides of the floor
 
 
 @gpu
