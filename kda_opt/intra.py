@@ -5,21 +5,26 @@
     Tm       = (I + Akk)⁻¹ Diag(β)
 In: q, k [B, T, H, K] (bf16/fp16/fp32; L2-normalised per row here if asked); Γ [B, T, HV, K] fp32 in
 log2 units; β [B, T, HV] (or its logits, the sigmoid taken here); value head hv reads q/k head
-hv // (HV / H). Out: Aqk [B, T, HV, 64] in q's dtype, Tm [B, T, HV, 64] in k's dtype; row per token,
-column = position in its chunk, zero above the diagonal and past a tail chunk's end. Chunks start at
-each sequence's first token (kda_opt/seqs). Akk never leaves the registers.
+hv // (HV / H); Γ falls at most 24 per token (stage 1's floor) or, bounded, 5/ln 2. Out: Aqk
+[B, T, HV, 64] in q's dtype, Tm [B, T, HV, 64] in k's dtype; row per token, column = position in its
+chunk, zero above the diagonal and past a tail chunk's end. Chunks start at each sequence's first
+token (kda_opt/seqs). Akk never leaves the registers.
 
 Products. The chunk's rows are taken in four 16-row blocks R, each one product over its columns on
-tensor cores through a reference exponent C: q_i 2^(Γ_i − C) · k_j 2^(C − Γ_j). With C = Γ_n − SHIFT
-(n the block's first row) the row factor is ≤ 2^SHIFT and, inside the diagonal block, the column factor
-≤ 2^(span − SHIFT), span = max_d (Γ_n,d − Γ_last,d) over the block's rows: both far inside fp32's range
-while span ≤ 2·SHIFT, and before n the column factor only shrinks (FLA 0.6.0's safe-gate sub-chunk
-reference). A gate a ≥ −5 per token bounds span by 15·5/ln 2 = 2·SHIFT: the sigmoid gate with
-lower_bound ∈ [−5, 0] always fits, and the launcher says so (gate_bounded). For any other gate the
-kernel checks every block. A block that does not fit takes C = Γ_n and only the columns before n (both
-factors ≤ 1 for any gate; a factor underflows only where the true 2^(Γ_i − Γ_j) is smaller still; FLA's
-chunk_kda_fwd_kernel_inter_solve_fused), and its diagonal block is computed exactly apart, by a
-kernel that runs first (diagonal_exact_kernel, _diagonal_exact).
+tensor cores through a reference exponent C: q_i 2^(Γ_i − C) · k_j 2^(C − Γ_j).
+Bounded gates (the sigmoid gate with lower_bound ∈ [−5, 0]: Γ falls at most 5/ln 2 per token, and
+the launcher says so: gate_bounded): C = Γ_n − SHIFT, n the block's first row, for all its columns up
+to its diagonal. The row factor is ≤ 2^SHIFT and, inside the diagonal block, the column factor ≤
+2^(span − SHIFT) with span ≤ 15·5/ln 2 = 2·SHIFT; before n the column factor only shrinks (FLA
+0.6.0's safe-gate sub-chunk reference).
+Unbounded gates (any other; stage 1 floors the log-decay so that Γ falls at most 24 per token): the
+columns before n take C = Γ_n (both factors ≤ 1 for any gate: a factor underflows only where the
+true 2^(Γ_i − Γ_j) is smaller still; FLA's chunk_kda_fwd_kernel_inter_solve_fused), and the 16 × 16
+diagonal block two more products (_diagonal_block): each 8-row half h referenced half-way through
+its own span, C_h = (Γ_first + Γ_last) / 2 per channel, so that every factor lies within 2^±84
+(a half spans at most 7·24 log2 units), and the second half's rows meet the first half's columns
+through the second half's reference (column factors ≤ 1). The same work for every gate and every
+decay rate: no data-dependent path (FLA computes these entries token by token instead).
 
 Precision. bf16 inputs: the row-block products take bf16 operands, Aqk's q rows split as hi + lo
 (two products: Aqk then carries only the column operand's rounding, 1.7e-3 relative before its
@@ -30,8 +35,9 @@ tf32 (three passes for fp32 inputs).
 
 Inverse. Block forward substitution over the row blocks, as they are computed (FLA's solve_tril merges
 16×16 inverses the same way): with A_Rm the 16×16 blocks of Akk and E_R the rows of I in block R,
-    X_R = (I + A_RR)⁻¹ (E_R − Σ_{m<R} A_Rm X_m),   (I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)(I + A⁸)
-(A strictly lower, so A¹⁶ = 0), every product on tensor cores; Tm's rows of block R are X_R Diag(β).
+    X_R = (I + A_RR)⁻¹ (E_R − Σ_{m<R} A_Rm X_m),
+each (I + A_RR)⁻¹ itself by blocks of 4 and 8 (_inverse), every product on tensor cores; Tm's rows of
+block R are X_R Diag(β).
 
 β's residual. Tm's diagonal is β itself (X's diagonal is exactly 1), rounded once to Tm's dtype per
 token and applied to every value column alike. Where β is not a number of that dtype (logits, fp32
@@ -53,10 +59,8 @@ from .options import L2NORM_EPS
 from .seqs import Seqs, chunk_span, fixed
 
 BC = 16  # sub-chunk: rows are computed in blocks of 16, the diagonal in 16×16 blocks
-# Warps per chunk, measured on H100 at the default shape (NOTES.md); and per 16-row block of the
-# exact diagonal path.
+# Warps per chunk, measured on H100 at the default shape (NOTES.md).
 NUM_WARPS = 4
-EXACT_NUM_WARPS = 2
 SHIFT = 0.5 * (BC - 1) * 5.0 / math.log(2.0)
 L2_EPS: tl.constexpr = tl.constexpr(L2NORM_EPS)
 
@@ -101,133 +105,107 @@ def _quarters(x):
 
 
 @triton.jit
-def _span_fits(gcum, n, T, HV: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, SHIFT: tl.constexpr):
-    """1 if the diagonal block of the rows n.. n+BC−1 spans at most 2·SHIFT (log2 units) in every
-    channel (or starts past T), else 0."""
-    last = tl.minimum(n + BC - 1, T - 1)
+def _gamma_row(gcum, t, n, T, HV: tl.constexpr, K: tl.constexpr):
+    """Γ [K] of row min(t, T − 1) of the block starting at n; zeros if the block starts past T."""
     o_k = tl.arange(0, K)
-    m = n + 0 * o_k < T
-    b_first = tl.load(gcum + n * (HV * K) + o_k, mask=m, other=0.0)
-    b_last = tl.load(gcum + last * (HV * K) + o_k, mask=m, other=0.0)
-    return (tl.max(b_first - b_last, axis=0) <= 2 * SHIFT).to(tl.int32)
+    return tl.load(gcum + tl.minimum(t, T - 1) * (HV * K) + o_k, mask=n + 0 * o_k < T, other=0.0)
 
 
 @triton.jit
-def _diagonal_exact(q, k, gcum, o_t, m_t, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                    BC: tl.constexpr, EXACT_PRECISION: tl.constexpr, L2NORM: tl.constexpr):
-    """The diagonal block of rows o_t for an unbounded gate: [BC, BC] for q (diagonal included) and
-    k (strictly lower). No single reference row serves a whole diagonal block. FLA computes these
-    entries token by token (chunk_kda_fwd_kernel_intra_token_parallel); here the block is split
-    recursively instead: at level h ∈ {8, 4, 2, 1}, rows in the upper half of each group of 2h meet
-    columns in its lower half through the group's middle row m (j < m ≤ i), the off-diagonal
-    factorisation with both factors ≤ 1, as one product on tensor cores. Every i > j belongs to
-    exactly one level (the highest bit where i and j differ); the diagonal, where the decay is 1,
-    is a plain row sum. BC channels per step: a product needs K ≥ 16."""
-    o_i = tl.arange(0, BC)
-    b_Aqk = tl.zeros([BC, BC], dtype=tl.float32)
-    b_Akk = tl.zeros([BC, BC], dtype=tl.float32)
-    if L2NORM:
-        b_rq = _rstd(_tile(q, o_t, m_t, tl.arange(0, K), H * K))
-        b_rk = _rstd(_tile(k, o_t, m_t, tl.arange(0, K), H * K))
-    for k0 in range(0, K, BC):
-        o_k = k0 + tl.arange(0, BC)
-        b_q = _tile(q, o_t, m_t, o_k, H * K)
-        b_k = _tile(k, o_t, m_t, o_k, H * K)
-        if L2NORM:
-            b_q = b_q * b_rq[:, None]
-            b_k = b_k * b_rk[:, None]
-        b_g = _tile(gcum, o_t, m_t, o_k, HV * K)
-        for LVL in tl.static_range(0, 4):
-            GROUP = BC >> LVL
-            HALF = GROUP // 2
-            o_m = o_t - o_i % GROUP + HALF          # the middle row of each row's group
-            m_up = o_i % GROUP >= HALF
-            m_m = o_m < T
-            b_gm = _tile(gcum, o_m, m_m, o_k, HV * K)
-            b_rf = tl.exp2(tl.where((m_up & m_t)[:, None], b_g - b_gm, -float("inf")))
-            b_kt = tl.trans(b_k * tl.exp2(tl.where((~m_up & m_m)[:, None], b_gm - b_g, -float("inf"))))
-            m_lvl = (o_i[:, None] // GROUP == o_i[None, :] // GROUP) & m_up[:, None] & ~m_up[None, :]
-            b_Aqk += tl.where(m_lvl, tl.dot(b_q * b_rf, b_kt, input_precision=EXACT_PRECISION), 0.0)
-            b_Akk += tl.where(m_lvl, tl.dot(b_k * b_rf, b_kt, input_precision=EXACT_PRECISION), 0.0)
-        b_Aqk += tl.where(o_i[:, None] == o_i[None, :], tl.sum(b_q * b_k, axis=1)[:, None], 0.0)
+def _products(b_qr, b_kr, b_cols, SPLIT_BF16: tl.constexpr, PREC: tl.constexpr):
+    """(q ⊙ row factor)(k ⊙ column factor)ᵀ for Aqk and for Akk: b_qr, b_kr [M, K] fp32 rows,
+    b_cols [K, N] fp32 columns (module docstring, "Precision")."""
+    if SPLIT_BF16:
+        # bf16 operands: twice tf32's tensor-core rate and half its staged bytes. Akk's rows and
+        # columns are rounded once (Tm's error stays near 1e-5); Aqk's rows are split as hi + lo, so
+        # that only the columns' rounding reaches Aqk.
+        b_c = b_cols.to(tl.bfloat16)
+        b_qh = b_qr.to(tl.bfloat16)
+        b_Aqk = tl.dot(b_qh, b_c, tl.dot((b_qr - b_qh.to(tl.float32)).to(tl.bfloat16), b_c))
+        b_Akk = tl.dot(b_kr.to(tl.bfloat16), b_c)
+    else:
+        b_Aqk = tl.dot(b_qr, b_cols, input_precision=PREC)
+        b_Akk = tl.dot(b_kr, b_cols, input_precision=PREC)
     return b_Aqk, b_Akk
 
 
-@triton.jit(do_not_specialize=["T"])
-def diagonal_exact_kernel(
-    q, k, gcum, Aqk, Dkk,           # [B,T,H,K] ×2, [B,T,HV,K], [B,T,HV,BT], [B,T,HV,BC]
-    cu_seqlens, chunk_indices,       # packed sequences (kda_opt/seqs)
-    T, scale,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    SHIFT: tl.constexpr, EXACT_PRECISION: tl.constexpr, PACKED: tl.constexpr, L2NORM: tl.constexpr,
-):
-    # For an unbounded gate, before intra_chunk_kernel: one program per 16-row block; a block whose
-    # diagonal does not fit gets it exactly, Aqk's in place (scale applied) and Akk's (without β)
-    # in Dkk. Kept apart so that the rarely taken exact path costs the main kernel no registers.
-    i_bhr, i_t = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    i_bh, R = i_bhr // (BT // BC), i_bhr % (BT // BC)
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
-    bos, T, i_t = chunk_span(i_b, i_t, T, cu_seqlens, chunk_indices, PACKED)
-    n = i_t * BT + R * BC
-    if n < T:
-        gcum += (bos * HV + i_hv) * K
-        if _span_fits(gcum, n, T, HV, K, BC, SHIFT) == 0:
-            o_i = tl.arange(0, BC)
-            o_t = n + o_i
-            m_t = o_t < T
-            b_Dqk, b_Dkk = _diagonal_exact(q + (bos * H + i_h) * K, k + (bos * H + i_h) * K, gcum, o_t,
-                                           m_t, T, H, HV, K, BC, EXACT_PRECISION, L2NORM)
-            p_qk = Aqk + (bos * HV + i_hv) * BT + o_t[:, None] * (HV * BT) + R * BC + o_i[None, :]
-            tl.store(p_qk, (b_Dqk * scale).to(Aqk.dtype.element_ty), mask=m_t[:, None])
-            tl.store(Dkk + (bos * HV + i_hv) * BC + o_t[:, None] * (HV * BC) + o_i[None, :], b_Dkk,
-                     mask=m_t[:, None])
+@triton.jit
+def _diagonal_block(b_q, b_k, b_g, g_n, g_a_last, g_b_first, g_b_last, m_t, BC: tl.constexpr,
+                    SPLIT_BF16: tl.constexpr, PREC: tl.constexpr):
+    """An unbounded gate's diagonal block of one row block (module docstring, "Products"): Aqk's and
+    Akk's [BC, BC] products (no mask, scale or β), and the row factor 2^(Γ_i − Γ_n) [BC, K] of the
+    columns before the block. b_q, b_k, b_g [BC, K] fp32: the block's rows; g_n … g_b_last [K]: Γ at
+    the first and last rows of its halves (clamped to T − 1)."""
+    HALF: tl.constexpr = BC // 2
+    o_i = tl.arange(0, BC)
+    first_half = (o_i < HALF)[:, None]
+    c_a = 0.5 * (g_n + g_a_last)
+    c_b = 0.5 * (g_b_first + g_b_last)
+    b_C = tl.where(first_half, c_a[None, :], c_b[None, :])                          # [BC, K]
+    b_rf = tl.exp2(tl.where(m_t[:, None], b_g - b_C, -float("inf")))                 # ≤ 2^84
+    b_kc = b_k * tl.exp2(tl.where(m_t[:, None], b_C - b_g, -float("inf")))           # ≤ 2^84
+    b_qr = b_q * b_rf
+    b_kr = b_k * b_rf
+    # Columns of the first half referenced to the second half's C: 2^(C_b − Γ_j) ≤ 1. One exp2 of
+    # its own: as 2^(C_a − Γ_j) · 2^(C_b − C_a), the second factor underflows (down to 2^−192) where
+    # the entry is of order 1.
+    b_cross = b_k * tl.exp2(tl.where(first_half & m_t[:, None], c_b[None, :] - b_g, -float("inf")))
+    b_Dqk, b_Dkk = _products(b_qr, b_kr, tl.trans(b_kc), SPLIT_BF16, PREC)
+    b_Xqk, b_Xkk = _products(b_qr, b_kr, tl.trans(b_cross), SPLIT_BF16, PREC)
+    half_i = o_i // HALF
+    same = half_i[:, None] == half_i[None, :]
+    cross = (half_i[:, None] == 1) & (half_i[None, :] == 0)
+    b_Dqk = tl.where(same, b_Dqk, tl.where(cross, b_Xqk, 0.0))
+    b_Dkk = tl.where(same, b_Dkk, tl.where(cross, b_Xkk, 0.0))
+    # 2^(Γ_i − Γ_n) = 2^(Γ_i − C_h) 2^(C_h − Γ_n): no more exp2 over the tile. Where the second
+    # factor underflows, the true value is below 2^(84 − 126): the columns before n, whose factors
+    # are ≤ 1, cannot lift it.
+    b_rn = b_rf * tl.where(first_half, tl.exp2(c_a - g_n)[None, :], tl.exp2(c_b - g_n)[None, :])
+    return b_Dqk, b_Dkk, b_rn
 
 
 @triton.jit
-def _row_block(q, k, gcum, beta, Aqk, Dkk, rstd, rstd_plane, t0, R: tl.constexpr, T, scale,
+def _row_block(q, k, gcum, beta, Aqk, rstd, rstd_plane, t0, R: tl.constexpr, T, scale,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-               BTC: tl.constexpr, SHIFT: tl.constexpr, CHECK_SPAN: tl.constexpr,
+               BTC: tl.constexpr, SHIFT: tl.constexpr, UNBOUNDED: tl.constexpr,
                DOT_PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr, L2NORM: tl.constexpr,
                BETA_SIGMOID: tl.constexpr):
-    """Row block R of the chunk at t0 against its first BTC ≥ 16(R + 1) columns. Stores the block's
-    Aqk rows (whole rows, zero past BTC, the diagonal block left to diagonal_exact_kernel where it
-    did not fit) and, if L2NORM, its rows' q and k norms (rstd[0], rstd[rstd_plane]); returns its
-    Akk rows [BC, BTC] (β applied, zero on and above the diagonal), whether its diagonal block came
-    from the product (fits), and if not the exact one from Dkk [BC, BC]. A block starting past T is
-    all zero."""
+    """Row block R of the chunk at t0 against its first BTC columns: BTC ≥ 16(R + 1), or for an
+    unbounded gate BTC ≥ 16R (R > 0), the columns before its diagonal block. Stores the block's Aqk
+    rows (whole rows, zero past its diagonal) and, if L2NORM, its rows' q and k norms (rstd[0],
+    rstd[rstd_plane]); returns its Akk rows [BC, BTC] (β applied, zero on and above the diagonal)
+    and, for an unbounded gate, its diagonal block [BC, BC] apart (the [BC, BTC] rows then hold
+    zeros there). A block starting past T is all zero."""
     n = t0 + R * BC                                   # the block's first row
     o_i = tl.arange(0, BC)
     o_t = n + o_i
     m_t = o_t < T
     o_j = tl.arange(0, BTC)
     o_k = tl.arange(0, K)
-    fits = _span_fits(gcum, n, T, HV, K, BC, SHIFT) if CHECK_SPAN else 1
-    # Columns up to the block's diagonal block (before it where the diagonal is computed apart).
-    m_c = (o_j < R * BC + BC * fits) & (t0 + o_j < T) & (n + 0 * o_j < T)
-    b_kct = tl.trans(_tile(k, t0 + o_j, m_c, o_k, H * K))                # [K, BTC]
-    b_gc = _tile(gcum, t0 + o_j, m_c, o_k, HV * K)                       # [BTC, K]
     b_q = _tile(q, o_t, m_t, o_k, H * K)                                 # [BC, K]
     b_k = _tile(k, o_t, m_t, o_k, H * K)
     b_g = _tile(gcum, o_t, m_t, o_k, HV * K)
-    b_c = tl.load(gcum + n * (HV * K) + o_k, mask=n + 0 * o_k < T, other=0.0) - SHIFT * fits
-    # Exponents are masked before exp2 (rows and columns past T load Γ = 0, where 2^(C − 0) could
-    # overflow), so that no inf or NaN arises even in entries that are never stored.
-    b_rf = tl.exp2(tl.where(m_t[:, None], b_g - b_c[None, :], -float("inf")))
-    b_kc = b_kct * tl.exp2(tl.where(m_c[None, :], b_c[:, None] - tl.trans(b_gc), -float("inf")))
-    b_qr = b_q * b_rf                                                    # [BC, K]
-    b_kr = b_k * b_rf
-    if SPLIT_BF16:
-        # bf16 operands: twice tf32's tensor-core rate and half its staged bytes. Akk's rows and
-        # columns are rounded once (Tm's error stays near 1e-5); Aqk's rows are split as hi + lo, so
-        # that only the columns' rounding reaches Aqk (module docstring, "Precision").
-        b_kc = b_kc.to(tl.bfloat16)
-        b_qh = b_qr.to(tl.bfloat16)
-        b_Aqk = tl.dot(b_qh, b_kc, tl.dot((b_qr - b_qh.to(tl.float32)).to(tl.bfloat16), b_kc))
-        b_Akk = tl.dot(b_kr.to(tl.bfloat16), b_kc)
+    g_n = _gamma_row(gcum, n, n, T, HV, K)
+    if UNBOUNDED:
+        b_Dqk, b_Dkk, b_rn = _diagonal_block(
+            b_q, b_k, b_g, g_n, _gamma_row(gcum, n + BC // 2 - 1, n, T, HV, K), _gamma_row(gcum, n + BC // 2, n, T, HV, K),
+            _gamma_row(gcum, n + BC - 1, n, T, HV, K), m_t, BC, SPLIT_BF16, DOT_PRECISION)
+        b_c = g_n                                     # the columns before n
+        m_c = (o_j < R * BC) & (t0 + o_j < T) & (n + 0 * o_j < T)
     else:
-        b_Aqk = tl.dot(b_qr, b_kc, input_precision=DOT_PRECISION)
-        b_Akk = tl.dot(b_kr, b_kc, input_precision=DOT_PRECISION)
+        # Exponents are masked before exp2 (rows and columns past T load Γ = 0, where 2^(C − 0) could
+        # overflow), so that no inf or NaN arises even in entries that are never stored.
+        b_c = g_n - SHIFT                             # columns up to the block's diagonal
+        b_rn = tl.exp2(tl.where(m_t[:, None], b_g - b_c[None, :], -float("inf")))
+        m_c = (o_j < R * BC + BC) & (t0 + o_j < T) & (n + 0 * o_j < T)
+    if UNBOUNDED and R == 0:
+        b_Aqk = tl.zeros([BC, BTC], dtype=tl.float32)  # no columns before the chunk's first block
+        b_Akk = tl.zeros([BC, BTC], dtype=tl.float32)
+    else:
+        b_kct = tl.trans(_tile(k, t0 + o_j, m_c, o_k, H * K))             # [K, BTC]
+        b_gc = _tile(gcum, t0 + o_j, m_c, o_k, HV * K)                   # [BTC, K]
+        b_kc = b_kct * tl.exp2(tl.where(m_c[None, :], b_c[:, None] - tl.trans(b_gc), -float("inf")))
+        b_Aqk, b_Akk = _products(b_q * b_rn, b_k * b_rn, b_kc, SPLIT_BF16, DOT_PRECISION)
     b_qk = tl.sum(b_q * b_k, axis=1)                 # Aqk's diagonal
     if L2NORM:
         # Normalising is a row and column scale of the products, applied to them (fewer operations
@@ -244,47 +222,62 @@ def _row_block(q, k, gcum, beta, Aqk, Dkk, rstd, rstd_plane, t0, R: tl.constexpr
         b_Aqk = b_Aqk * b_rq[:, None] * b_rc
         b_Akk = b_Akk * b_rk[:, None] * b_rc
         b_qk = b_qk * b_rq * b_rk
+        if UNBOUNDED:
+            b_rd = tl.load(rstd + rstd_plane + o_t, mask=m_t, other=0.0)[None, :]
+            b_Dqk = b_Dqk * b_rq[:, None] * b_rd
+            b_Dkk = b_Dkk * b_rk[:, None] * b_rd
 
-    # The triangles zeroed, the row scales applied (scale for Aqk, β for Akk); a diagonal block that
-    # did not fit was stored by diagonal_exact_kernel, and its Akk part is read back from Dkk.
+    # The triangles zeroed, the row scales applied (scale for Aqk, β for Akk). Aqk's diagonal, where
+    # the decay is 1, is a plain row sum in fp32: with 16-bit product operands it would carry the
+    # column rounding in full, and at T = 1 it is the whole output.
     o_r = R * BC + o_i
     b_beta = _beta(beta, o_t, m_t, HV, BETA_SIGMOID)
     p_qk = Aqk + o_t[:, None] * (HV * BT)
-    m_diag = (o_j >= R * BC) & (o_j < R * BC + BC) & (fits + 0 * o_j == 0)
-    # Aqk's diagonal, where the decay is 1, is a plain row sum in fp32: with 16-bit product operands
-    # it would carry the column rounding in full, and at T = 1 it is the whole output.
-    b_Aqk = tl.where(o_j[None, :] == o_r[:, None], b_qk[:, None], b_Aqk)
-    b_Aqk = tl.where(o_j[None, :] <= o_r[:, None], b_Aqk, 0.0) * scale
-    tl.store(p_qk + o_j[None, :], b_Aqk.to(Aqk.dtype.element_ty), mask=m_t[:, None] & ~m_diag[None, :])
-    for c0 in tl.static_range(BTC, BT, BTC):
-        tl.store(p_qk + c0 + o_j[None, :], tl.zeros([BC, BTC], dtype=Aqk.dtype.element_ty), mask=m_t[:, None])
+    m_diag = (o_j >= R * BC) & (o_j < R * BC + BC)
+    if UNBOUNDED:
+        b_Dqk = tl.where(o_i[None, :] == o_i[:, None], b_qk[:, None], b_Dqk)
+        b_Dqk = tl.where(o_i[None, :] <= o_i[:, None], b_Dqk, 0.0) * scale
+        tl.store(p_qk + R * BC + o_i[None, :], b_Dqk.to(Aqk.dtype.element_ty), mask=m_t[:, None])
+        b_D = tl.where(o_i[None, :] < o_i[:, None], b_Dkk, 0.0) * b_beta[:, None]
+        if R > 0:  # R = 0: its BTC columns are its diagonal block
+            tl.store(p_qk + o_j[None, :], (b_Aqk * scale).to(Aqk.dtype.element_ty),
+                     mask=m_t[:, None] & ~m_diag[None, :])
+    else:
+        b_Aqk = tl.where(o_j[None, :] == o_r[:, None], b_qk[:, None], b_Aqk)
+        b_Aqk = tl.where(o_j[None, :] <= o_r[:, None], b_Aqk, 0.0) * scale
+        tl.store(p_qk + o_j[None, :], b_Aqk.to(Aqk.dtype.element_ty), mask=m_t[:, None])
+        b_D = tl.zeros([BC, BC], dtype=tl.float32)
+    for c0 in tl.static_range(BTC, BT, BTC):        # the zeros past the diagonal block
+        tl.store(p_qk + c0 + o_j[None, :], tl.zeros([BC, BTC], dtype=Aqk.dtype.element_ty),
+                 mask=m_t[:, None] & (c0 + o_j >= R * BC + BC)[None, :])
     b_Akk = tl.where(o_j[None, :] < o_r[:, None], b_Akk, 0.0) * b_beta[:, None]
-    b_D = tl.zeros([BC, BC], dtype=tl.float32)
-    if CHECK_SPAN:
-        if fits == 0:
-            b_D = _tile(Dkk, o_t, m_t, o_i, HV * BC) * b_beta[:, None]
-    return b_Akk, fits, b_D
+    return b_Akk, b_D
 
 
 @triton.jit
-def _diagonal(b_Arr, fits, b_D, CHECK_SPAN: tl.constexpr):
-    """The diagonal block of a row block: the product's, or the exact one where it did not fit."""
-    if CHECK_SPAN:
-        b_Arr = tl.where(fits != 0, b_Arr, b_D)
+def _diagonal(b_Arr, b_D, UNBOUNDED: tl.constexpr):
+    """The diagonal block of a row block: from its product, or computed apart (unbounded gate)."""
+    if UNBOUNDED:
+        b_Arr = b_D
     return b_Arr
 
 
 @triton.jit
 def _inverse(A, PREC: tl.constexpr):
-    """(I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)(I + A⁸) for A [16, 16] strictly lower."""
+    """(I + A)⁻¹ for A [16, 16] strictly lower, by blocks: the 4 × 4 diagonal blocks D inverted as
+    (I − D)(I + D²) (exact: D⁴ = 0), then merged into 8 × 8 and 16 × 16 blocks as (I + D + O)⁻¹ =
+    (I − X O) X, X = (I + D)⁻¹ block diagonal, O the lower off-diagonal block (X O squares to zero).
+    Every intermediate is a product of true inverse blocks, bounded where the inverse is. (The
+    series (I − A)(I + A²)(I + A⁴)(I + A⁸) is not: its terms cancel, and in tf32 it loses the inverse
+    of near-collinear keys with β near 2: 0.3 relative error, emulated.)"""
     o = tl.arange(0, A.shape[0])
     eye = tl.where(o[:, None] == o[None, :], 1.0, 0.0)
-    A2 = tl.dot(A, A, input_precision=PREC)
-    A4 = tl.dot(A2, A2, input_precision=PREC)
-    X = tl.dot(eye - A, eye + A2, input_precision=PREC)
-    A8 = tl.dot(A4, A4, input_precision=PREC)
-    X = tl.dot(X, eye + A4, input_precision=PREC)
-    return tl.dot(X, eye + A8, input_precision=PREC)
+    D = tl.where(o[:, None] // 4 == o[None, :] // 4, A, 0.0)
+    X = tl.dot(eye - D, eye + tl.dot(D, D, input_precision=PREC), input_precision=PREC)
+    O = tl.where((o[:, None] // 8 == o[None, :] // 8) & (o[:, None] // 4 != o[None, :] // 4), A, 0.0)
+    X = tl.dot(eye - tl.dot(X, O, input_precision=PREC), X, input_precision=PREC)
+    O = tl.where(o[:, None] // 8 != o[None, :] // 8, A, 0.0)
+    return tl.dot(eye - tl.dot(X, O, input_precision=PREC), X, input_precision=PREC)
 
 
 @triton.jit
@@ -304,12 +297,12 @@ def _solve_rows(Tm, t0, R: tl.constexpr, T, b_Arr, b_Y, b_beta, HV: tl.constexpr
 
 @triton.jit(do_not_specialize=["T"])
 def intra_chunk_kernel(
-    q, k, gcum, beta, Aqk, Tm, Dkk,  # [B,T,H,K] ×2, [B,T,HV,K], [B,T,HV], [B,T,HV,BT] ×2, [B,T,HV,BC]
+    q, k, gcum, beta, Aqk, Tm,        # [B,T,H,K] ×2, [B,T,HV,K], [B,T,HV], [B,T,HV,BT] ×2
     Rb, Rstd,                         # [B,HV,T] fp32 β's residual (BETA_RESIDUAL), [2,B,H,T] fp32 norms (L2NORM)
     cu_seqlens, chunk_indices,        # packed sequences (kda_opt/seqs)
     T, scale,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    SHIFT: tl.constexpr, CHECK_SPAN: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr,
+    SHIFT: tl.constexpr, UNBOUNDED: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr,
     PACKED: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, BETA_RESIDUAL: tl.constexpr,
 ):
     # FLA 0.6.0 computes these matrices in three kernels (diagonal blocks, off-diagonal blocks fused
@@ -332,7 +325,6 @@ def intra_chunk_kernel(
     beta += bos * HV + i_hv
     Aqk += (bos * HV + i_hv) * BT
     Tm += (bos * HV + i_hv) * BT
-    Dkk += (bos * HV + i_hv) * BC
     o_c = t0 + tl.arange(0, BT)
     b_beta = _beta(beta, o_c, o_c < T, HV, BETA_SIGMOID)
     if BETA_RESIDUAL:
@@ -342,26 +334,33 @@ def intra_chunk_kernel(
     rstd_plane = tl.num_programs(0).to(tl.int64) // HV * H * T_all     # B·H·T: q's norms, then k's
     P: tl.constexpr = DOT_PRECISION
     # Rows past T have zero Akk rows: identity rows of the inverse, never stored, never reached.
-    A0, f, D = _row_block(q, k, gcum, beta, Aqk, Dkk, Rstd, rstd_plane, t0, 0, T, scale, H, HV, K, BT, BC, BC,
-                          SHIFT, CHECK_SPAN, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
-    X0 = _solve_rows(Tm, t0, 0, T, _diagonal(A0, f, D, CHECK_SPAN), tl.zeros([BC, BT], dtype=tl.float32),
+    A0, D = _row_block(q, k, gcum, beta, Aqk, Rstd, rstd_plane, t0, 0, T, scale, H, HV, K, BT, BC, BC,
+                       SHIFT, UNBOUNDED, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
+    X0 = _solve_rows(Tm, t0, 0, T, _diagonal(A0, D, UNBOUNDED), tl.zeros([BC, BT], dtype=tl.float32),
                      b_beta, HV, BT, BC, P)
-    A1, f, D = _row_block(q, k, gcum, beta, Aqk, Dkk, Rstd, rstd_plane, t0, 1, T, scale, H, HV, K, BT, BC,
-                          2 * BC, SHIFT, CHECK_SPAN, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
-    A10, A11 = _halves(A1)
-    X1 = _solve_rows(Tm, t0, 1, T, _diagonal(A11, f, D, CHECK_SPAN), tl.dot(A10, X0, input_precision=P),
-                     b_beta, HV, BT, BC, P)
-    A2, f, D = _row_block(q, k, gcum, beta, Aqk, Dkk, Rstd, rstd_plane, t0, 2, T, scale, H, HV, K, BT, BC,
-                          BT, SHIFT, CHECK_SPAN, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
-    A20, A21, A22, _ = _quarters(A2)
+    # An unbounded gate's row blocks 1 and 2 need only the columns before their diagonal blocks.
+    A1, D = _row_block(q, k, gcum, beta, Aqk, Rstd, rstd_plane, t0, 1, T, scale, H, HV, K, BT, BC,
+                       BC if UNBOUNDED else 2 * BC, SHIFT, UNBOUNDED, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
+    if UNBOUNDED:
+        A10, A11 = A1, D
+    else:
+        A10, A11 = _halves(A1)
+    X1 = _solve_rows(Tm, t0, 1, T, A11, tl.dot(A10, X0, input_precision=P), b_beta, HV, BT, BC, P)
+    A2, D = _row_block(q, k, gcum, beta, Aqk, Rstd, rstd_plane, t0, 2, T, scale, H, HV, K, BT, BC,
+                       2 * BC if UNBOUNDED else BT, SHIFT, UNBOUNDED, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
+    if UNBOUNDED:
+        A20, A21 = _halves(A2)
+        A22 = D
+    else:
+        A20, A21, A22, _ = _quarters(A2)
     b_Y = tl.dot(A21, X1, tl.dot(A20, X0, input_precision=P), input_precision=P)
-    X2 = _solve_rows(Tm, t0, 2, T, _diagonal(A22, f, D, CHECK_SPAN), b_Y, b_beta, HV, BT, BC, P)
-    A3, f, D = _row_block(q, k, gcum, beta, Aqk, Dkk, Rstd, rstd_plane, t0, 3, T, scale, H, HV, K, BT, BC,
-                          BT, SHIFT, CHECK_SPAN, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
+    X2 = _solve_rows(Tm, t0, 2, T, A22, b_Y, b_beta, HV, BT, BC, P)
+    A3, D = _row_block(q, k, gcum, beta, Aqk, Rstd, rstd_plane, t0, 3, T, scale, H, HV, K, BT, BC,
+                       BT, SHIFT, UNBOUNDED, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
     A30, A31, A32, A33 = _quarters(A3)
     b_Y = tl.dot(A32, X2, tl.dot(A31, X1, tl.dot(A30, X0, input_precision=P), input_precision=P),
                  input_precision=P)
-    _solve_rows(Tm, t0, 3, T, _diagonal(A33, f, D, CHECK_SPAN), b_Y, b_beta, HV, BT, BC, P)
+    _solve_rows(Tm, t0, 3, T, _diagonal(A33, D, UNBOUNDED), b_Y, b_beta, HV, BT, BC, P)
 
 
 def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64, *, gate_bounded: bool = False,
@@ -369,13 +368,15 @@ def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64, *, gate_bo
                 beta_residual: torch.Tensor | None = None, qk_rstd: torch.Tensor | None = None,
                 num_warps: int = NUM_WARPS):
     """Aqk [B, T, HV, C] (q's dtype) and Tm [B, T, HV, C] (k's dtype) of every chunk (C = 64).
-    gate_bounded: every log-decay a ≥ −5 (log2 units: Γ falls at most 5/ln 2 per token), so no
-    diagonal block needs the exact path. seqs: the sequence layout (kda_opt/seqs; None is B sequences
-    of T tokens). l2norm: q and k rows L2-normalised as they are read. beta_sigmoid: beta holds
-    logits and β = beta_sigmoid · sigmoid(beta) (None: beta is β). beta_residual: a [B, HV, T] fp32
-    tensor that receives β − β rounded to Tm's dtype (module docstring). qk_rstd: with l2norm, a
-    [2, B, H, T] fp32 tensor that receives q's and k's 1 / sqrt(Σ x² + eps) per token (None: a
-    buffer of the launcher's own). num_warps is a tuning knob (scripts/bench_stages.py)."""
+    gate_bounded: every log-decay a ≥ −5 (Γ falls at most 5/ln 2 per token in log2 units), so one
+    product per row block serves its diagonal too; otherwise Γ must fall at most 24 per token, as
+    stage 1's floor makes it (module docstring, "Products"). seqs: the sequence layout (kda_opt/seqs;
+    None is B sequences of T tokens). l2norm: q and k rows L2-normalised as they are read.
+    beta_sigmoid: beta holds logits and β = beta_sigmoid · sigmoid(beta) (None: beta is β).
+    beta_residual: a [B, HV, T] fp32 tensor that receives β − β rounded to Tm's dtype (module
+    docstring). qk_rstd: with l2norm, a [2, B, H, T] fp32 tensor that receives q's and k's
+    1 / sqrt(Σ x² + eps) per token (None: a buffer of the launcher's own). num_warps is a tuning knob
+    (scripts/bench_stages.py)."""
     B, T, H, K = q.shape
     HV = gcum.shape[2]
     if chunk_size != 4 * BC:
@@ -383,20 +384,13 @@ def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64, *, gate_bo
     seqs = seqs or fixed(T, chunk_size)
     Aqk = torch.empty(B, T, HV, chunk_size, dtype=q.dtype, device=q.device)
     Tm = torch.empty(B, T, HV, chunk_size, dtype=k.dtype, device=q.device)
-    layout = dict(H=H, HV=HV, K=K, BT=chunk_size, BC=BC, SHIFT=SHIFT, PACKED=seqs.packed, L2NORM=l2norm)
-    Dkk = Aqk  # read only where a diagonal block did not fit: never, for a bounded gate
     if l2norm and qk_rstd is None:
         qk_rstd = torch.empty(2, B, H, T, dtype=torch.float32, device=q.device)
-    if not gate_bounded:
-        Dkk = torch.empty(B, T, HV, BC, dtype=torch.float32, device=q.device)
-        # An exact diagonal block keeps fp32 accuracy (three tf32 passes; FLA: plain fp32).
-        diagonal_exact_kernel[(B * HV * (chunk_size // BC), seqs.chunk_slots)](
-            q, k, gcum, Aqk, Dkk, *seqs.pointers(Aqk), T, scale, **layout,
-            EXACT_PRECISION="tf32x3", num_warps=EXACT_NUM_WARPS)
     intra_chunk_kernel[(B * HV, seqs.chunk_slots)](
-        q, k, gcum, beta, Aqk, Tm, Dkk, beta if beta_residual is None else beta_residual,
-        beta if qk_rstd is None else qk_rstd, *seqs.pointers(Aqk), T, scale, **layout,
-        CHECK_SPAN=not gate_bounded, BETA_SIGMOID=float(beta_sigmoid or 0.0),
+        q, k, gcum, beta, Aqk, Tm, beta if beta_residual is None else beta_residual,
+        beta if qk_rstd is None else qk_rstd, *seqs.pointers(Aqk), T, scale,
+        H=H, HV=HV, K=K, BT=chunk_size, BC=BC, SHIFT=SHIFT, PACKED=seqs.packed, L2NORM=l2norm,
+        UNBOUNDED=not gate_bounded, BETA_SIGMOID=float(beta_sigmoid or 0.0),
         BETA_RESIDUAL=beta_residual is not None,
         # Precision (module docstring). The interpreter ignores DOT_PRECISION and multiplies in fp32.
         DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", SPLIT_BF16=q.dtype == torch.bfloat16,

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 # 0.6.0 forward: gate+cumsum, intra (Aqk, Akk, solve inside), W/U recompute, state pass, output.
 STAGES = {
     "kda_opt": [("chunk_offsets", "seqs"), ("chunk_indices", "seqs"), ("gate_cumsum", "gate"),
-                ("intra", "intra + solve"), ("diagonal_exact", "intra + solve"), ("wuso", "wuso")],
+                ("intra", "intra + solve"), ("wuso", "wuso")],
     "fla": [("delta_rule_fwd_kernel_h", "state pass"), ("fwd_kernel_o", "output"), ("recompute_w_u", "W/U"),
             ("inter_solve", "inter + solve"), ("solve_tril", "inter + solve"), ("intra", "intra"),
             ("kda_gate", "gate + cumsum"), ("cumsum", "gate + cumsum")],
