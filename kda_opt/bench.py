@@ -21,7 +21,7 @@ import sys
 import torch
 
 from . import peers
-from .inputs import random_inputs
+from .inputs import DECAYS, random_inputs
 from .reference import rel_err
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -59,19 +59,25 @@ class Case:
     seed: int
     seqlens: tuple | None = None   # sequences packed along T (cu_seqlens; B = 1)
     config: str = "default"        # a key of CONFIGS
+    initial_state: bool = True     # the call a server makes passes one (SPEC §5)
+    decay: str = "fast"            # a value of inputs.DECAYS
 
     @property
     def label(self):
         extra = (f" varlen({len(self.seqlens)} seqs)" if self.seqlens else "")
         extra += f" {self.config}" if self.config != "default" else ""
+        extra += "" if self.initial_state else " no-initial-state"
+        extra += f" decay={self.decay}" if self.decay != "fast" else ""
         return f"B={self.B} T={self.T} H={self.H} K=V={self.K} {self.gate}{extra}"
 
     @property
     def tag(self):
-        """The case in file names: b1_t8192_h96_k128_safe[_varlen64][_config]."""
+        """The case in file names: b1_t8192_h96_k128_safe[_varlen64][_config][_nostate][_layer]."""
         return (f"b{self.B}_t{self.T}_h{self.H}_k{self.K}_{self.gate}"
                 + (f"_varlen{len(self.seqlens)}" if self.seqlens else "")
-                + (f"_{self.config}" if self.config != "default" else ""))
+                + (f"_{self.config}" if self.config != "default" else "")
+                + ("" if self.initial_state else "_nostate")
+                + (f"_{self.decay}" if self.decay != "fast" else ""))
 
     def trimmed(self, T):
         """The case cut to its first T tokens (packed: the first sequences, the last one cut)."""
@@ -84,8 +90,10 @@ class Case:
         return dataclasses.replace(self, T=T, seqlens=seqlens)
 
     def inputs(self, **kw):
+        """kda_forward's keyword arguments for this case; kw overrides random_inputs' (e.g. initial_state)."""
+        kw = {"initial_state": self.initial_state, "decay": self.decay, **CONFIGS[self.config], **kw}
         args = random_inputs(self.B, self.T, self.H, self.K, gate=self.gate, dtype=self.dtype, seed=self.seed,
-                             seqlens=self.seqlens, **CONFIGS[self.config], **kw)
+                             seqlens=self.seqlens, **kw)
         if "lower_bound" in args:
             args["lower_bound"] = self.lower_bound
         return args
@@ -105,6 +113,13 @@ def parse_args(argv=None):
     p.add_argument("--no-safe-gate", dest="safe_gate", action="store_false",
                    help="softplus gate, unbounded decay (default: safe gate, sigmoid with lower bound)")
     p.add_argument("--lower-bound", type=float, default=-5.0)
+    p.add_argument("--no-initial-state", dest="initial_state", action="store_false",
+                   help="time the call without an initial state (default: with one, [N, HV, K, V] fp32 "
+                        "~ N(0, 1), as a server passes; the naive and fla checks always pass one)")
+    p.add_argument("--decay", choices=DECAYS, default="fast",
+                   help="A_log = log U(1, 16) as the Kimi layer draws it, g ~ N(0, 1), and dt_bias ~ N(0, 1) "
+                        "(fast: the fast-forgetting channels of a trained gate) or softplus^-1(U(0.001, 0.1)) "
+                        "(layer: as the layer initialises it)")
     p.add_argument("--varlen", action="store_true",
                    help=f"pack --num-seqs sequences along T (cu_seqlens), lengths uniform in "
                         f"[{MIN_SEQ_LEN}, --seq-len] (seeded); B must be 1")
@@ -165,14 +180,14 @@ def case_from_args(args, B=None, T=None, H=None, gate=None):
     if seqlens:
         B, T = 1, sum(seqlens)
     return Case(B or args.batch_size, T, H or args.num_heads, args.head_dim, gate, args.lower_bound,
-                DTYPES[args.dtype], args.seed, seqlens, args.config)
+                DTYPES[args.dtype], args.seed, seqlens, args.config, args.initial_state, args.decay)
 
 
 def sweep_cases(args):
     """The sweep's rows (SWEEP_SHAPES, SWEEP_PACKED, the l2norm row; or PEER_SHAPES and PEER_PACKED:
     --sweep-rows picks) in --config, per gate mode."""
     base = Case(1, 8192, 96, args.head_dim, "safe", args.lower_bound, DTYPES[args.dtype], args.seed,
-                config=args.config)
+                config=args.config, initial_state=args.initial_state, decay=args.decay)
     cases = []
     for gate in args.sweep_gates.split(","):
         at = lambda **kw: dataclasses.replace(base, gate=gate, **kw)
@@ -193,11 +208,12 @@ def sweep_cases(args):
 # ---- floors: the fewest bytes and FLOPs the forward needs ----
 
 def min_bytes(c: Case) -> int:
-    """Each input read once, each output written once: q, k, v, g, o, β and the final states."""
+    """Each input read once, each output written once: q, k, v, g, o, β, the initial states (if
+    any) and the final states."""
     elt = torch.finfo(c.dtype).bits // 8
     n = c.B * c.T * c.H
     seqs = len(c.seqlens) if c.seqlens else c.B
-    return n * (4 * c.K * elt + c.K * elt + elt) + seqs * c.H * c.K * c.K * 4
+    return n * (4 * c.K * elt + c.K * elt + elt) + (1 + c.initial_state) * seqs * c.H * c.K * c.K * 4
 
 
 def min_flops(c: Case) -> int:
@@ -269,12 +285,16 @@ NOT_RUN = "n/a"  # the FlashKDA columns where it cannot compute the case
 
 
 def benchmark(c: Case, fla, warmup, rep, ceilings):
-    """Median ms of FLA, FlashKDA (where it runs) and kda_forward on the same inputs, alternating;
+    """Median ms of FLA, FlashKDA (where it runs) and kda_forward on the same inputs, alternating, and
+    of kda_forward without the initial state where the case has one (what the state costs us);
     returns a CSV row."""
     from triton.testing import do_bench
     from . import kda_forward
     args = c.inputs()
     runs = {"fla": lambda: fla(**args), "kda_opt": lambda: kda_forward(**args)}
+    if c.initial_state:
+        stateless = {**args, "initial_state": None}
+        runs["kda_opt_no_state"] = lambda: kda_forward(**stateless)
     flashkda, why_not = peers.flashkda(args)
     if flashkda:
         runs["flashkda"] = flashkda
@@ -290,7 +310,10 @@ def benchmark(c: Case, fla, warmup, rep, ceilings):
     bw, rate = ceilings
     nbytes, flops = min_bytes(c), min_flops(c)
     row = dict(B=c.B, T=c.T, H=c.H, K=c.K, V=c.K, mode=c.gate, varlen=len(c.seqlens or ()), config=c.config,
+               initial_state=int(c.initial_state), decay=c.decay,
                fla_ms=ms["fla"], kda_opt_ms=ours_ms, speedup=ms["fla"] / ours_ms,
+               kda_opt_no_state_ms=ms.get("kda_opt_no_state", NOT_RUN),
+               state_cost_pct=100 * (ours_ms / ms["kda_opt_no_state"] - 1) if c.initial_state else NOT_RUN,
                flashkda_ms=ms.get("flashkda", NOT_RUN),
                speedup_vs_flashkda=ms["flashkda"] / ours_ms if flashkda else NOT_RUN,
                tbps=nbytes / (ours_ms * 1e-3) / 1e12, tflops=flops / (ours_ms * 1e-3) / 1e12,
@@ -299,7 +322,8 @@ def benchmark(c: Case, fla, warmup, rep, ceilings):
                fla_flash_kda=os.environ.get("FLA_FLASH_KDA", ""))
     peer = (f"FlashKDA {ms['flashkda']:.3f} ms ({row['speedup_vs_flashkda']:.2f}×)" if flashkda
             else f"FlashKDA n/a ({why_not})")
-    print(f"  {c.label}: FLA {ms['fla']:.3f} ms  kda_opt {ours_ms:.3f} ms  speedup {row['speedup']:.2f}×  "
+    state = f" (no state {ms['kda_opt_no_state']:.3f} ms: {row['state_cost_pct']:+.1f} %)" if c.initial_state else ""
+    print(f"  {c.label}: FLA {ms['fla']:.3f} ms  kda_opt {ours_ms:.3f} ms{state}  speedup {row['speedup']:.2f}×  "
           f"{peer}  {row['tbps']:.2f} TB/s ({row['bytes_floor_pct']:.0f}% of bytes floor)  "
           f"{row['tflops']:.0f} TFLOP/s ({row['flops_floor_pct']:.0f}% of FLOP floor)")
     return row
@@ -308,17 +332,20 @@ def benchmark(c: Case, fla, warmup, rep, ceilings):
 # ---- sweep output ----
 
 # varlen: sequences packed along T (0: a fixed-length batch of B); config: a key of CONFIGS;
+# initial_state: 1 where every system got one; decay: inputs.DECAYS; kda_opt_no_state_ms /
+# state_cost_pct: kda_forward without the state, and what the state costs it (NOT_RUN without one);
 # flashkda_ms / speedup_vs_flashkda: NOT_RUN where FlashKDA cannot compute the case; fla_flash_kda:
 # FLA_FLASH_KDA as FLA saw it ("0": FLA on its own Triton path).
-CSV_FIELDS = ["B", "T", "H", "K", "V", "mode", "varlen", "config", "fla_ms", "kda_opt_ms", "speedup",
-              "flashkda_ms", "speedup_vs_flashkda", "tbps", "tflops", "bytes_floor_pct", "flops_floor_pct",
-              "fla_flash_kda"]
-ROW_KEY = ("B", "T", "H", "K", "mode", "varlen", "config")
+CSV_FIELDS = ["B", "T", "H", "K", "V", "mode", "varlen", "config", "initial_state", "decay", "fla_ms",
+              "kda_opt_ms", "speedup", "kda_opt_no_state_ms", "state_cost_pct", "flashkda_ms",
+              "speedup_vs_flashkda", "tbps", "tflops", "bytes_floor_pct", "flops_floor_pct", "fla_flash_kda"]
+ROW_KEY = ("B", "T", "H", "K", "mode", "varlen", "config", "initial_state", "decay")
 # Rows of CSVs written before these columns existed: fixed-length batches in the default
-# configuration, FlashKDA not timed, FLA on its Triton path (the CLI has set FLA_FLASH_KDA=0 since its
-# first version).
-ROW_DEFAULTS = {"varlen": 0, "config": "default", "flashkda_ms": NOT_RUN, "speedup_vs_flashkda": NOT_RUN,
-                "fla_flash_kda": "0"}
+# configuration, no initial state, A_log and dt_bias ~ 0.5·N(0, 1), FlashKDA not timed, FLA on its
+# Triton path (the CLI has set FLA_FLASH_KDA=0 since its first version).
+ROW_DEFAULTS = {"varlen": 0, "config": "default", "initial_state": 0, "decay": "0.5N(0,1)",
+                "kda_opt_no_state_ms": NOT_RUN, "state_cost_pct": NOT_RUN, "flashkda_ms": NOT_RUN,
+                "speedup_vs_flashkda": NOT_RUN, "fla_flash_kda": "0"}
 
 
 def read_csv(path):
@@ -335,7 +362,8 @@ def merge_rows(old, new):
     key = lambda r: tuple(r[k] for k in ROW_KEY)
     merged = {key(r): r for r in ({**ROW_DEFAULTS, **r} for r in old)}
     merged.update({key(r): r for r in ({**ROW_DEFAULTS, **r} for r in new)})
-    return sorted(merged.values(), key=lambda r: (r["config"], r["mode"], r["varlen"], r["H"], r["B"], r["T"]))
+    return sorted(merged.values(), key=lambda r: (r["config"], r["mode"], -r["initial_state"], str(r["decay"]),
+                                                  r["varlen"], r["H"], r["B"], r["T"]))
 
 
 def write_csv(rows, path):
@@ -425,14 +453,16 @@ def main(argv=None) -> int:
         cases = sweep_cases(args)
         os.makedirs(args.out_dir, exist_ok=True)
         base = os.path.join(args.out_dir, f"benchmark_{gpu_tag()}")
-        png = base + ("" if args.config == "default" else f"_{args.config}") + ".png"
+        png = (base + ("" if args.config == "default" else f"_{args.config}") + ("" if args.initial_state else "_nostate")
+               + ("" if args.decay == "fast" else f"_{args.decay}") + ".png")
+        plotted = lambda rows: [r for r in rows if (r["initial_state"], r["decay"]) == (int(args.initial_state), args.decay)]
         rows = read_csv(base + ".csv")
         for i, c in enumerate(cases, 1):
             print(f"[{i}/{len(cases)}] {c.label}", flush=True)
             rows = merge_rows(rows, [benchmark(c, fla, args.warmup, args.rep, ceilings)])
             # After every case, so that an interrupted sweep keeps what it measured.
             write_csv(rows, base + ".csv")
-            write_plot(rows, png, f"kda_opt vs FLA chunk_kda, {torch.cuda.get_device_name()}", args.config)
+            write_plot(plotted(rows), png, f"kda_opt vs FLA chunk_kda, {torch.cuda.get_device_name()}", args.config)
         print(f"wrote {base}.csv and {png}")
         print_table(rows)
         return 0
@@ -449,14 +479,15 @@ def main(argv=None) -> int:
 
 
 def print_table(rows):
-    fmt = lambda v, spec, unit="": format(v, spec) + unit if isinstance(v, float) else f"{v:>{spec.split('.')[0]}}" + " " * len(unit)
-    print(f"\n{'B':>2} {'T':>6} {'H':>3} {'mode':>8} {'varlen':>6} {'config':>8} {'FLA ms':>8} {'ours ms':>8} "
-          f"{'speedup':>7} {'FlashKDA':>8} {'× FKDA':>7} {'TB/s':>5} {'TFLOP/s':>7}")
+    fmt = lambda v, spec, unit="": (format(v, spec) + unit if isinstance(v, float)
+                                    else f"{v:>{spec.split('.')[0].lstrip('+')}}" + " " * len(unit))
+    print(f"\n{'B':>2} {'T':>6} {'H':>3} {'mode':>8} {'varlen':>6} {'config':>8} {'S0':>2} {'FLA ms':>8} {'ours ms':>8} "
+          f"{'speedup':>7} {'S0 cost':>7} {'FlashKDA':>8} {'× FKDA':>7} {'TB/s':>5} {'TFLOP/s':>7}")
     for r in rows:
         r = {**ROW_DEFAULTS, **r}
-        print(f"{r['B']:>2} {r['T']:>6} {r['H']:>3} {r['mode']:>8} {r['varlen']:>6} {r['config']:>8} "
-              f"{r['fla_ms']:>8.3f} {r['kda_opt_ms']:>8.3f} {r['speedup']:>6.2f}× {fmt(r['flashkda_ms'], '8.3f')} "
-              f"{fmt(r['speedup_vs_flashkda'], '6.2f', '×')} {r['tbps']:>5.2f} {r['tflops']:>7.0f}")
+        print(f"{r['B']:>2} {r['T']:>6} {r['H']:>3} {r['mode']:>8} {r['varlen']:>6} {r['config']:>8} {r['initial_state']:>2} "
+              f"{r['fla_ms']:>8.3f} {r['kda_opt_ms']:>8.3f} {r['speedup']:>6.2f}× {fmt(r['state_cost_pct'], '+6.1f', '%')} "
+              f"{fmt(r['flashkda_ms'], '8.3f')} {fmt(r['speedup_vs_flashkda'], '6.2f', '×')} {r['tbps']:>5.2f} {r['tflops']:>7.0f}")
 
 
 if __name__ == "__main__":
