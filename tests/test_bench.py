@@ -19,6 +19,43 @@ def test_defaults_match_spec():
     assert not a.sweep
 
 
+def test_the_call_a_server_makes_by_default():
+    """SPEC §5: an initial state, A_log as the Kimi layer draws it (A = exp(A_log) in [1, 16]) and the
+    fast-decay dt_bias ~ N(0, 1); --no-initial-state and --decay layer say otherwise, in the label too."""
+    c = bench.case_from_args(bench.parse_args(["--seq-len", "64", "--num-heads", "32", "--no-safe-gate"]))
+    args = c.inputs(device="cpu")
+    assert args["initial_state"].shape == (1, 32, 128, 128) and args["initial_state"].dtype == torch.float32
+    assert bool((args["A_log"] >= 0).all() and (args["A_log"] <= torch.log(torch.tensor(16.0))).all())
+    assert args["A_log"].exp().max() > 8 and args["dt_bias"].std() > 0.5
+    quiet = bench.case_from_args(bench.parse_args("--seq-len 64 --num-heads 32 --no-initial-state --decay layer".split()))
+    args = quiet.inputs(device="cpu")
+    assert "initial_state" not in args and quiet.label.endswith("no-initial-state decay=layer")
+    assert bool((torch.nn.functional.softplus(args["dt_bias"]) <= 0.1 + 1e-6).all())
+    assert quiet.inputs(device="cpu", initial_state=True)["initial_state"].shape == (1, 32, 128, 128)
+
+
+def test_benchmark_row_says_what_the_state_costs(monkeypatch):
+    """With a state, kda_forward is also timed without it, and the row says so; without, n/a."""
+    import triton.testing
+    times = iter(range(1, 100))
+    monkeypatch.setattr(triton.testing, "do_bench", lambda f, **kw: float(next(times)))
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(bench.peers, "flashkda", lambda args: (None, "not here"))
+    import kda_opt
+    seen = []
+    monkeypatch.setattr(kda_opt, "kda_forward", lambda **a: seen.append("initial_state" in a and a["initial_state"] is not None))
+    case = bench.Case(1, 64, 2, 64, "safe", -5.0, torch.float32, 0)
+    monkeypatch.setattr(bench.Case, "inputs", lambda self: bench.random_inputs(1, 64, 2, 64, device="cpu",
+                                                                                initial_state=self.initial_state))
+    row = bench.benchmark(case, lambda **a: None, 1, 1, (1e12, 1e12))
+    assert row["initial_state"] == 1 and row["decay"] == "fast" and True in seen and False in seen
+    assert isinstance(row["kda_opt_no_state_ms"], float) and isinstance(row["state_cost_pct"], float)
+    seen.clear()
+    row = bench.benchmark(bench.Case(1, 64, 2, 64, "safe", -5.0, torch.float32, 0, initial_state=False),
+                          lambda **a: None, 1, 1, (1e12, 1e12))
+    assert row["initial_state"] == 0 and row["state_cost_pct"] == bench.NOT_RUN and True not in seen
+
+
 @pytest.mark.parametrize("flags,gate", [(["--no-safe-gate"], "softplus"), (["--no-gate-in-kernel"], "preactivated"),
                                         (["--no-gate-in-kernel", "--no-safe-gate"], "preactivated")])
 def test_gate_flags(flags, gate):
