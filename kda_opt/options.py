@@ -28,5 +28,5 @@ class GateConfig:
     @property
     def bounded(self) -> bool:
         """a ≥ −5 by construction (sigmoid gate, lower_bound ∈ [−5, 0]), not only by promise: stage 2
-        then needs no check of its exponents' span."""
+        then serves each diagonal block with the row block's one product (kda_opt/intra)."""
         return self.in_kernel and self.lower_bound is not None and -5.0 <= self.lower_bound <= 0.0
