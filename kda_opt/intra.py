@@ -186,6 +186,8 @@ def _row_block(q, k, gcum, beta, Aqk, rstd, rstd_plane, t0, R: tl.constexpr, T, 
     b_k = _tile(k, o_t, m_t, o_k, H * K)
     b_g = _tile(gcum, o_t, m_t, o_k, HV * K)
     g_n = _gamma_row(gcum, n, n, T, HV, K)
+    # Exponents are masked before exp2 (rows and columns past T load Γ = 0, where 2^(C − 0) could
+    # overflow), so that no factor is inf or NaN, not even in rows that are never stored.
     if UNBOUNDED:
         b_Dqk, b_Dkk, b_rn = _diagonal_block(
             b_q, b_k, b_g, g_n, _gamma_row(gcum, n + BC // 2 - 1, n, T, HV, K), _gamma_row(gcum, n + BC // 2, n, T, HV, K),
@@ -193,8 +195,6 @@ def _row_block(q, k, gcum, beta, Aqk, rstd, rstd_plane, t0, R: tl.constexpr, T, 
         b_c = g_n                                     # the columns before n
         m_c = (o_j < R * BC) & (t0 + o_j < T) & (n + 0 * o_j < T)
     else:
-        # Exponents are masked before exp2 (rows and columns past T load Γ = 0, where 2^(C − 0) could
-        # overflow), so that no inf or NaN arises even in entries that are never stored.
         b_c = g_n - SHIFT                             # columns up to the block's diagonal
         b_rn = tl.exp2(tl.where(m_t[:, None], b_g - b_c[None, :], -float("inf")))
         m_c = (o_j < R * BC + BC) & (t0 + o_j < T) & (n + 0 * o_j < T)
@@ -233,13 +233,13 @@ def _row_block(q, k, gcum, beta, Aqk, rstd, rstd_plane, t0, R: tl.constexpr, T, 
     o_r = R * BC + o_i
     b_beta = _beta(beta, o_t, m_t, HV, BETA_SIGMOID)
     p_qk = Aqk + o_t[:, None] * (HV * BT)
-    m_diag = (o_j >= R * BC) & (o_j < R * BC + BC)
     if UNBOUNDED:
         b_Dqk = tl.where(o_i[None, :] == o_i[:, None], b_qk[:, None], b_Dqk)
         b_Dqk = tl.where(o_i[None, :] <= o_i[:, None], b_Dqk, 0.0) * scale
         tl.store(p_qk + R * BC + o_i[None, :], b_Dqk.to(Aqk.dtype.element_ty), mask=m_t[:, None])
         b_D = tl.where(o_i[None, :] < o_i[:, None], b_Dkk, 0.0) * b_beta[:, None]
         if R > 0:  # R = 0: its BTC columns are its diagonal block
+            m_diag = (o_j >= R * BC) & (o_j < R * BC + BC)
             tl.store(p_qk + o_j[None, :], (b_Aqk * scale).to(Aqk.dtype.element_ty),
                      mask=m_t[:, None] & ~m_diag[None, :])
     else:
