@@ -12,16 +12,13 @@ runs all its segments' launches one after another (without the overlap kda_forwa
 """
 import argparse
 import itertools
-import os
-import sys
 import time
 
 import torch
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-from kda_opt import forward, kda_forward, wuso as stage4  # noqa: E402
-from kda_opt.bench import case_from_args, measure_ceilings, parse_args as bench_args  # noqa: E402
+from kda_bench.bench import case_from_args, measure_ceilings, parse_args as bench_args
+from kda_opt import forward, kda_forward, wuso as stage4
 
 STAGES = ("packed", "gate_cumsum", "intra_chunk", "wuso")  # kda_opt.forward's launchers, in order
 

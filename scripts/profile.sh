@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Nsight Systems profile of kda_forward and FLA chunk_kda at one shape (default: SPEC §5's).
+# Nsight Systems profile of kda_forward and FLA chunk_kda at one shape (default: the default shape of docs/DESIGN.md).
 #   bash scripts/profile.sh [--iters N] [--no-fla] [scripts/test.py shape options]
 # Writes profiles/<gpu>_<shape>_kern.txt (kernel summary), _nvtx.txt (NVTX ranges) and
 # _stages.txt (ms per pipeline stage, FLA's kernels beside ours, FlashKDA's per kernel where it runs the

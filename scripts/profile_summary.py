@@ -11,10 +11,8 @@ import csv
 import datetime
 import os
 import re
-import sys
 from collections import defaultdict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 # Kernel-name fragments → stage, first match wins. Ours carry their stage in the name; FLA's
 # 0.6.0 forward: gate+cumsum, intra (Aqk, Akk, solve inside), W/U recompute, state pass, output.
@@ -29,7 +27,7 @@ STAGES = {
 
 def shape_args(argv):
     """Split profile.sh's arguments into run_profile's own and the scripts/test.py shape options."""
-    from kda_opt.bench import case_from_args, gpu_tag, parse_args
+    from kda_bench.bench import case_from_args, gpu_tag, parse_args
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-fla", action="store_true")

@@ -6,15 +6,14 @@ cudaProfilerStart/Stop, so `nsys profile --capture-range=cudaProfilerApi` record
 system's forwards sit inside an NVTX range `kda_opt/profile/<system>`. Used by scripts/profile.sh.
 """
 import argparse
-import os
 import sys
 
 import nvtx
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-from kda_opt import kda_forward, peers  # noqa: E402
-from kda_opt.bench import DTYPES, case_from_args, parse_args as bench_args  # noqa: E402
+from kda_bench import peers
+from kda_bench.bench import DTYPES, case_from_args, parse_args as bench_args
+from kda_opt import kda_forward
 
 
 def main():

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from kda_opt import bench, peers
+from kda_bench import bench, peers
 
 
 def test_defaults_match_spec():
@@ -20,7 +20,7 @@ def test_defaults_match_spec():
 
 
 def test_the_call_a_server_makes_by_default():
-    """SPEC §5: an initial state, A_log as the Kimi layer draws it (A = exp(A_log) in [1, 16]) and the
+    """The call a server makes: an initial state, A_log as the Kimi layer draws it (A = exp(A_log) in [1, 16]) and the
     fast-decay dt_bias ~ N(0, 1); --no-initial-state and --decay layer say otherwise, in the label too."""
     c = bench.case_from_args(bench.parse_args(["--seq-len", "64", "--num-heads", "32", "--no-safe-gate"]))
     args = c.inputs(device="cpu")
@@ -81,7 +81,7 @@ def test_bad_options_exit_2(bad):
 
 def test_floors_at_default_shape():
     c = bench.case_from_args(bench.parse_args([]))
-    # SPEC §5: about 1.0 GB and 0.1–0.2 TFLOP at the default shape.
+    # About 1.0 GB and 0.1–0.2 TFLOP at the default shape.
     assert 0.95e9 < bench.min_bytes(c) < 1.05e9
     assert 0.1e12 < bench.min_flops(c) < 0.2e12
 
@@ -184,7 +184,7 @@ def test_trimmed_case_keeps_whole_sequences_first():
 
 
 def test_sweep_rows():
-    """SPEC §5's and §7's shapes, the three packed mixes, the l2norm row; per gate mode."""
+    """The sweep's and the peers' shapes, the three packed mixes, the l2norm row; per gate mode."""
     cases = bench.sweep_cases(bench.parse_args([]))
     per_gate = len(bench.SWEEP_SHAPES) + len(bench.SWEEP_PACKED) + 1
     assert len(cases) == 2 * per_gate and {c.gate for c in cases[per_gate:]} == {"softplus"}

@@ -1,17 +1,12 @@
 """scripts/bench_stages.py: its list options parse, and it records kda_forward's stage launches
 with their own arguments (CPU: the Triton stages under the interpreter)."""
-import os
-import sys
-
+import bench_stages as bs
 import torch
 
 from kda_opt import forward
 from kda_opt.options import GateConfig
 from tests.conftest import kernel_device
 from tests.stage_inputs import stage_inputs
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-import bench_stages as bs  # noqa: E402
 
 
 def test_int_lists():

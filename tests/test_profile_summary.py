@@ -1,9 +1,5 @@
 """scripts/profile_summary.py: kernels assigned to systems by NVTX range and to stages by name (CPU)."""
-import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-import profile_summary as ps  # noqa: E402
+import profile_summary as ps
 
 TRACE = """Start (ns),Duration (ns),CorrId,Name
 100,2000,1,gate_cumsum_kernel

@@ -1,7 +1,7 @@
 """Correctness checks and benchmark of kda_forward against FLA chunk_kda (and FlashKDA, where it runs)
 and the float64 recurrence.
 
-Entry points: `python scripts/test.py ...` and `python -m kda_opt.bench ...` (same options).
+Entry point: `python scripts/test.py ...`.
     --test naive      kda_forward vs the float64 recurrence (relative errors of o and final state),
                       FLA's and FlashKDA's errors beside
     --test fla        kda_forward vs FLA chunk_kda on the full shape
@@ -20,9 +20,10 @@ import sys
 
 import torch
 
+from kda_opt.reference import ERROR_FLOOR, error_bound, rel_err
+
 from . import peers
 from .inputs import DECAYS, random_inputs
-from .reference import rel_err
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Call configurations: how random_inputs draws the arguments every system gets.
@@ -31,15 +32,13 @@ CONFIGS = {
     "l2norm": dict(l2norm=True),                                            # Kimi-Linear's layer
     "flashkda": dict(l2norm=True, beta_logits=True, state_v_first=True),    # FlashKDA's only one
 }
-# SPEC §5: the correctness bound is max(2 × FLA's error, ERROR_FLOOR).
-ERROR_FLOOR = 5e-3
 # The float64 recurrence walks T token by token over [B, HV, K, V] float64 states: keep it under
-# this many state elements × tokens (about a second on an H100) by trimming T, and say so.
+# this many state elements × tokens (about a second on a GPU) by trimming T, and say so.
 NAIVE_BUDGET = 2 ** 33
-# The sweep, K = V = 128, each row in every gate mode: (B, T, H) of SPEC §5 and §7; then packed
+# The sweep, K = V = 128, each row in every gate mode: (B, T, H) of docs/DESIGN.md's sweep; then packed
 # sequences at T ≈ 8192 per sequence: issue 8's mix (NUM_SEQS lengths uniform in [MIN_SEQ_LEN, 8192],
-# seed 0) at H = 32, and SPEC §7's two mixes at H = 96; then, in the default configuration, the
-# default shape with q/k l2norm. SPEC §7's rows (the peers' table) are also a set of their own.
+# seed 0) at H = 32, and the peers' two mixes at H = 96; then, in the default configuration, the
+# default shape with q/k l2norm. The peers' rows (PEER_SHAPES, PEER_PACKED) are also a set of their own.
 PEER_SHAPES = [(1, 8192, 96), (1, 8192, 64), (8, 4096, 32), (2, 16384, 64), (1, 32768, 32), (1, 65536, 16),
                (1, 2048, 16)]
 PEER_PACKED = [((1300, 547, 2048, 963, 271, 3063), 96), ((1024,) * 8, 96)]
@@ -59,7 +58,7 @@ class Case:
     seed: int
     seqlens: tuple | None = None   # sequences packed along T (cu_seqlens; B = 1)
     config: str = "default"        # a key of CONFIGS
-    initial_state: bool = True     # the call a server makes passes one (SPEC §5)
+    initial_state: bool = True     # the call a server makes passes one
     decay: str = "fast"            # a value of inputs.DECAYS
 
     @property
@@ -140,7 +139,7 @@ def parse_args(argv=None):
                                          "in an existing CSV, so a sweep can be run in parts")
     p.add_argument("--sweep-rows", choices=["all", "shapes", "serving", "peers"], default="all",
                    help="which of the sweep's rows run: all; shapes (fixed-length SWEEP_SHAPES); serving "
-                        "(the packed mixes and the l2norm row); peers (SPEC §7's rows: PEER_SHAPES, then "
+                        "(the packed mixes and the l2norm row); peers (the peers' rows: PEER_SHAPES, then "
                         "PEER_PACKED)")
     p.add_argument("--out-dir", default="profiles", help="where --sweep writes its CSV and PNG")
     args = p.parse_args(argv)
@@ -246,8 +245,8 @@ def naive_T(c: Case) -> int:
 def check_naive(c: Case, fla=None):
     """Errors of kda_forward (and FLA's, when given, and FlashKDA's, where it runs) against the
     float64 recurrence; the bound is FLA's."""
-    from . import kda_forward
-    from .reference import reference_forward
+    from kda_opt import kda_forward
+    from kda_opt.reference import reference_forward
     T = naive_T(c)
     if T < c.T:
         print(f"  naive: T trimmed from {c.T} to {T} to keep the float64 recurrence quick")
@@ -263,15 +262,14 @@ def check_naive(c: Case, fla=None):
     text += (f"   | FlashKDA: o {{:.2e}}  state {{:.2e}}".format(*errors(*flashkda())) if flashkda
              else f"   | FlashKDA: n/a ({why_not})")
     del ref_o, ref_s
-    bound = lambda key: max(2 * row.get("fla_" + key, 0.0), ERROR_FLOOR)
-    ok = row["o"] <= bound("o") and row["state"] <= bound("state")
+    ok = row["o"] <= error_bound(row.get("fla_o", 0.0)) and row["state"] <= error_bound(row.get("fla_state", 0.0))
     print(f"{text}   bound max(2×FLA, {ERROR_FLOOR:g}) → {'PASS' if ok else 'FAIL'}")
     return ok
 
 
 def check_fla(c: Case, fla):
     """kda_forward vs FLA chunk_kda on the full shape (both in the same precision)."""
-    from . import kda_forward
+    from kda_opt import kda_forward
     args = c.inputs(initial_state=True)
     o, s = kda_forward(**args)
     fo, fs = fla(**args)
@@ -289,7 +287,7 @@ def benchmark(c: Case, fla, warmup, rep, ceilings):
     of kda_forward without the initial state where the case has one (what the state costs us);
     returns a CSV row."""
     from triton.testing import do_bench
-    from . import kda_forward
+    from kda_opt import kda_forward
     args = c.inputs()
     runs = {"fla": lambda: fla(**args), "kda_opt": lambda: kda_forward(**args)}
     if c.initial_state:

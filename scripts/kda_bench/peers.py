@@ -1,12 +1,12 @@
 """The systems the benchmark times beside kda_forward, each called on kda_forward's own arguments:
 FLA's chunk_kda (fla-core 0.6.0, kept on its Triton path) and FlashKDA (MoonshotAI's CUTLASS
-forward, `flash_kda.fwd`), the latter only where it computes the call (SPEC §7)."""
+forward, `flash_kda.fwd`), the latter only where it computes the call."""
 import importlib.util
 import os
 
 import torch
 
-from .seqs import num_sequences
+from kda_opt.seqs import num_sequences
 
 FLASHKDA_CONFIGURATION = ("K = V = 128, bf16, HV = H, the gate in kernel with lower_bound and A_log, q/k "
                           "l2norm and beta sigmoid in kernel (no allow_neg_eigval), states [N, H, V, K]")

@@ -4,14 +4,14 @@ import torch
 
 # name → kda_forward gate arguments (A_log / dt_bias are drawn when the mode uses them)
 GATE_MODES = {
-    "safe": dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0),          # SPEC §5 default
+    "safe": dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0),          # the default call
     "safe_no_A": dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0),     # A_log None
     "softplus": dict(use_gate_in_kernel=True),                                        # unbounded decay
     "preactivated": dict(use_gate_in_kernel=False),                                   # g is a ≤ 0
 }
 
 
-# How fast the gate forgets (SPEC §5): A_log = log U(1, 16) as the Kimi layer initialises it (FLA's
+# How fast the gate forgets (docs/DESIGN.md, How speed is measured): A_log = log U(1, 16) as the Kimi layer initialises it (FLA's
 # KimiDeltaAttention: A = exp(A_log) ∈ [1, 16]), g ~ N(0, 1), and dt_bias either
 #   "fast":  ~ N(0, 1), the fast-forgetting channels of a trained gate (per-token log-decay of
 #            order 1–10 in the fastest channels with the softplus gate), or
