@@ -1,4 +1,5 @@
-"""`kda_forward`: validate once, then launch the stages of SPEC §3 on the current stream.
+"""`kda_forward`: validate once, then launch the stages (docs/DESIGN.md, Pipeline) on the current
+stream.
 
     seqs     = packed(cu_seqlens)             packed sequences only: chunk table (kda_opt/seqs)
     Γ        = gate_cumsum(g)                 stage 1, Triton   (kda_opt/gate)
@@ -10,13 +11,12 @@
 Each stage runs inside an NVTX range of the `kda_opt` domain; nothing here waits on the device.
 
 Time segments. Stage 4 runs one program per (sequence, value head, V block) through the whole
-sequence, so where B·H is small most SMs idle through it (SPEC §7's (1, 65536, 16): 64 programs on
-132 SMs). There a lone sequence is cut at chunk boundaries into segments (time_segments), stages 1–3
+sequence, so where B·H is small most SMs idle through it ((1, 65536, 16): 64 programs on 132
+SMs). There a lone sequence is cut at chunk boundaries into segments (time_segments), stages 1–3
 of segment s + 1 run on a second stream while stage 4 runs segment s on the idle SMs, and each
 segment's final state (fp32, as stage 4 keeps it) is the next one's initial state: the same numbers
 as one pass. The caller's stream waits for the second stream's work before each stage 4, so the
-result is ordered on it as usual. H100, FlashKDA's call: (1, 65536, 16) 4.13 → 3.46–3.67 ms with 8
-segments, (1, 16384, 16) 1.09 → 0.93 ms with 2 (NOTES.md, eleventh session).
+result is ordered on it as usual.
 """
 import functools
 import warnings
@@ -34,7 +34,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # q, k, v; an
 SUPPORTED_HEAD_DIMS = (64, 128)  # K and V each; FLA also takes 256, which stage 2's registers cannot hold
 SAFE_LOWER_BOUND = (-5.0, 0.0)  # the range in which safe_gate keeps in-chunk exponents bounded
 # Time segments (module docstring): at least SEGMENT_TOKENS tokens each, at most MAX_SEGMENTS (1: off).
-# Measured on H100: 4 segments of 4096 tokens at (1, 16384, 16) lose to 2 of 8192 (1.18 against 0.93 ms).
+# (Shorter segments measured slower: each adds a launch and a state hand-over to stage 4's chain.)
 SEGMENT_TOKENS = 8192
 MAX_SEGMENTS = 8
 
@@ -119,6 +119,10 @@ def kda_forward(
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state as above, or None.
+
+    Needs a CUDA GPU of compute capability 9.0 (Hopper: H100, H200); forward only, with no
+    autograd: with gradients enabled, inputs that require grad raise a RuntimeError (call it under
+    ``torch.no_grad()`` or ``torch.inference_mode()``, as serving engines do).
 
     Supported head dims: K and V each 64 or 128 (any pair). Inputs that are not contiguous are made
     contiguous (a copy). Bad inputs raise ValueError or TypeError naming the argument before any
@@ -244,6 +248,11 @@ def _validate(q, k, v, g, beta, initial_state, *, use_gate_in_kernel, A_log, dt_
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if not x.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    if torch.is_grad_enabled():
+        wants_grad = [n for n, x in {**named, **optional}.items() if x is not None and x.requires_grad]
+        if wants_grad:
+            raise RuntimeError(f"kda_forward is forward-only and computes no gradient, but {', '.join(wants_grad)} "
+                               "require grad: call it under torch.no_grad() or torch.inference_mode(), or detach them")
     for name, ndim in (("q", 4), ("k", 4), ("v", 4), ("g", 4), ("beta", 3)):
         if named[name].dim() != ndim:
             raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(named[name].shape)}")

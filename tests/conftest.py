@@ -13,7 +13,11 @@ if not HAS_CUDA:
 # Imported only now, after TRITON_INTERPRET: importing kda_opt defines its Triton kernels.
 from kda_opt.reference import rel_err  # noqa: E402,F401  the one error measure of every test
 
-gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+def gpu(test):
+    """A test that needs a CUDA GPU: marked `gpu` (`pytest -m gpu` selects these), skipped without one."""
+    return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")(test))
 
 
 def kernel_device() -> str:
