@@ -1,4 +1,5 @@
-"""Stage 2: the intra-chunk matrices, one Triton program per chunk: Aqk, and Tm = (I + Akk)⁻¹ Diag(β).
+"""Stages 2 and 3: the intra-chunk matrices and the inverse, one Triton program per chunk: Aqk, and
+Tm = (I + Akk)⁻¹ Diag(β).
 
     Aqk[i,j] = scale · Σ_d q_i,d k_j,d 2^(Γ_i,d − Γ_j,d)   (i ≥ j in one chunk of 64)
     Akk[i,j] = β_i   · Σ_d k_i,d k_j,d 2^(Γ_i,d − Γ_j,d)   (i > j)
@@ -43,7 +44,7 @@ block R are X_R Diag(β).
 token and applied to every value column alike. Where β is not a number of that dtype (logits, fp32
 beta; beta_residual given), the kernel also writes r = β − round(β) [B, HV, T] fp32, and stage 4
 adds r ⊙ x to Tm x (kda_opt/wuso), so that the diagonal is exact. (Leaving β out of Tm and scaling
-x's rows by it before their rounding instead measured less accurate: NOTES.md, ninth session.)
+x's rows by it before their rounding instead is less accurate.)
 
 Norms. With l2norm the kernel writes every token's 1 / sqrt(Σ x² + eps) for q and k, [2, B, H, T]
 fp32: each row block scales its products by its rows' norms and its columns' (read back from there),
@@ -59,7 +60,7 @@ from .options import L2NORM_EPS
 from .seqs import Seqs, chunk_span, fixed
 
 BC = 16  # sub-chunk: rows are computed in blocks of 16, the diagonal in 16×16 blocks
-# Warps per chunk, measured on H100 at the default shape (NOTES.md).
+# Warps per chunk: the fastest of 2, 4 and 8 at the default shape (scripts/bench_stages.py --intra-warps).
 NUM_WARPS = 4
 SHIFT = 0.5 * (BC - 1) * 5.0 / math.log(2.0)
 L2_EPS: tl.constexpr = tl.constexpr(L2NORM_EPS)
@@ -209,7 +210,7 @@ def _row_block(q, k, gcum, beta, Aqk, rstd, rstd_plane, t0, R: tl.constexpr, T, 
     b_qk = tl.sum(b_q * b_k, axis=1)                 # Aqk's diagonal
     if L2NORM:
         # Normalising is a row and column scale of the products, applied to them (fewer operations
-        # than scaling the [BTC, K] column tile: NOTES.md, eleventh session). The block's rows' norms
+        # than scaling the [BTC, K] column tile). The block's rows' norms
         # are stored for stage 4 (every value head of a GVA group stores the same numbers); the
         # columns are rows of this and earlier blocks, their norms read back (the barrier makes this
         # block's stores visible).

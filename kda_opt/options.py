@@ -12,7 +12,7 @@ LOG_DECAY_FLOOR = -24 * math.log(2.0)
 
 @dataclass(frozen=True)
 class GateConfig:
-    """How stage 1 turns the gate input g into the per-channel log-decay a (SPEC §1).
+    """How stage 1 turns the gate input g into the per-channel log-decay a (docs/DESIGN.md, Math).
 
     in_kernel:   g is raw and is activated here; otherwise g already is a (≤ 0).
     lower_bound: with in_kernel, selects a = lower_bound · sigmoid(exp(A_log) · (g + dt_bias));

@@ -46,7 +46,7 @@ def constraint(arg):
 
 def cubin(dtype, K, has_state, store_state, block_v=None, B=1, T=8192, H=96, seqs=None, l2norm=False,
           state_v_first=False, state_dtype=torch.float32, beta_residual=False):
-    """The launcher's specialisation (launch_config on meta tensors of the SPEC §5 default shape),
+    """The launcher's specialisation (launch_config on meta tensors of the default shape),
     compiled for sm_90; block_v None takes the launcher's choice on an H100. seqs: (N, cu_seqlens
     dtype) packs N sequences into the one batch entry (B = 1). l2norm: with stage 2's norms
     [2, B, H, T]. state_dtype: the initial state's. beta_residual: with stage 2's β residual [B, H, T] fp32."""
@@ -204,7 +204,7 @@ def test_wuso_bf16(T, B, H, HV, K, with_state):
 @gpu
 def test_wuso_beta_residual():
     """β that is not a bf16 number (as from logits): Tm's bf16 diagonal rounds it once per token for
-    every value column, and the state's error grows by half (8th session: 1.8e-3 → 2.7e-3); stage 2's
+    every value column, and the state's error grows by half; stage 2's
     residual r = β − bf16(β) [B, HV, T], added back here, must take most of that growth away."""
     beta = torch.rand(2, 1000, 4, generator=torch.Generator().manual_seed(6), dtype=torch.float64).cuda()
     inputs, h0, ref_o, ref_s = stage4_case(2, 1000, 4, 4, 128, torch.bfloat16, True, seed=5, beta=beta)
