@@ -60,7 +60,7 @@ from .options import L2NORM_EPS
 from .seqs import Seqs, chunk_span, fixed
 
 BC = 16  # sub-chunk: rows are computed in blocks of 16, the diagonal in 16×16 blocks
-# Warps per chunk: the fastest of 2, 4 and 8 at the default shape (scripts/bench_stages.py --intra-warps).
+# Warps per chunk: the fastest count tried at the default shape (scripts/bench_stages.py --intra-warps).
 NUM_WARPS = 4
 SHIFT = 0.5 * (BC - 1) * 5.0 / math.log(2.0)
 L2_EPS: tl.constexpr = tl.constexpr(L2NORM_EPS)
