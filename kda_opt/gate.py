@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .options import LOG_DECAY_FLOOR, GateConfig
+from .options import CHUNK, LOG_DECAY_FLOOR, GateConfig
 from .seqs import Seqs, chunk_span, fixed
 
 # Gate modes, resolved once by the launcher from the GateConfig.
@@ -24,8 +24,8 @@ FLOOR: tl.constexpr = tl.constexpr(LOG_DECAY_FLOOR)
 
 @triton.jit
 def gate_cumsum_kernel(
-    g, A_log, dt_bias, gcum,       # [B, T, HV, K], [HV], [HV·K], [B, T, HV, K]
-    cu_seqlens, chunk_indices,      # packed sequences (kda_opt/seqs)
+    g, A_log, dt_bias, gcum,       # [B, T, HV, K], [HV] or None, [HV·K] or None, [B, T, HV, K]
+    cu_seqlens, chunk_indices,      # packed sequences (kda_opt/seqs), or None
     T, lower_bound,
     HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
     MODE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, PACKED: tl.constexpr,
@@ -57,19 +57,19 @@ def gate_cumsum_kernel(
     tl.store(gcum + o_tk, b_g, mask=m_tk)
 
 
-def gate_cumsum(g: torch.Tensor, gate: GateConfig, A_log=None, dt_bias=None, chunk_size: int = 64,
-                seqs: Seqs | None = None):
-    """Γ = chunk-local cumsum of the activated gate, in log2 units: [B, T, HV, K] float32. seqs: the
-    sequence layout (kda_opt/seqs); None is B sequences of T tokens."""
+def gate_cumsum(g: torch.Tensor, gate: GateConfig, A_log=None, dt_bias=None, seqs: Seqs | None = None):
+    """Γ = chunk-local cumsum of the activated gate, in log2 units: [B, T, HV, K] float32. A_log,
+    dt_bias: fp32, contiguous, or None. seqs: the sequence layout (kda_opt/seqs); None is B
+    sequences of T tokens."""
     B, T, HV, K = g.shape
-    seqs = seqs or fixed(T, chunk_size)
+    seqs = seqs or fixed(T)
     mode = PREACTIVATED if not gate.in_kernel else SIGMOID if gate.lower_bound is not None else SOFTPLUS
     gcum = torch.empty(B, T, HV, K, dtype=torch.float32, device=g.device)
     BK = min(64, triton.next_power_of_2(K))
     grid = (B * HV, seqs.chunk_slots, triton.cdiv(K, BK))
     gate_cumsum_kernel[grid](
-        g, A_log, dt_bias, gcum, *seqs.pointers(gcum), T, float(gate.lower_bound or 0.0),
-        HV=HV, K=K, C=chunk_size, BK=BK,
+        g, A_log, dt_bias, gcum, seqs.cu_seqlens, seqs.chunk_indices, T, float(gate.lower_bound or 0.0),
+        HV=HV, K=K, C=CHUNK, BK=BK,
         MODE=mode, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, PACKED=seqs.packed,
     )
     return gcum

@@ -56,14 +56,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .options import L2NORM_EPS
+from .options import CHUNK, L2NORM_EPS
 from .seqs import Seqs, chunk_span, fixed
 
-BC = 16  # sub-chunk: rows are computed in blocks of 16, the diagonal in 16×16 blocks
+BT: tl.constexpr = tl.constexpr(CHUNK)
+BC: tl.constexpr = tl.constexpr(CHUNK // 4)  # sub-chunk: rows in four blocks of 16, the diagonal in 16×16 blocks
+SHIFT: tl.constexpr = tl.constexpr(0.5 * (CHUNK // 4 - 1) * 5.0 / math.log(2.0))
+L2_EPS: tl.constexpr = tl.constexpr(L2NORM_EPS)
 # Warps per chunk: the fastest count tried at the default shape (scripts/bench_stages.py --intra-warps).
 NUM_WARPS = 4
-SHIFT = 0.5 * (BC - 1) * 5.0 / math.log(2.0)
-L2_EPS: tl.constexpr = tl.constexpr(L2NORM_EPS)
 
 
 @triton.jit
@@ -131,8 +132,8 @@ def _products(b_qr, b_kr, b_cols, SPLIT_BF16: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _diagonal_block(b_q, b_k, b_g, g_n, g_a_last, g_b_first, g_b_last, m_t, BC: tl.constexpr,
-                    SPLIT_BF16: tl.constexpr, PREC: tl.constexpr):
+def _diagonal_block(b_q, b_k, b_g, g_n, g_a_last, g_b_first, g_b_last, m_t, SPLIT_BF16: tl.constexpr,
+                    PREC: tl.constexpr):
     """An unbounded gate's diagonal block of one row block (module docstring, "Products"): Aqk's and
     Akk's [BC, BC] products (no mask, scale or β), and the row factor 2^(Γ_i − Γ_n) [BC, K] of the
     columns before the block. b_q, b_k, b_g [BC, K] fp32: the block's rows; g_n … g_b_last [K]: Γ at
@@ -166,9 +167,8 @@ def _diagonal_block(b_q, b_k, b_g, g_n, g_a_last, g_b_first, g_b_last, m_t, BC: 
 
 
 @triton.jit
-def _row_block(q, k, gcum, beta, Aqk, rstd, rstd_plane, t0, R: tl.constexpr, T, scale,
-               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-               BTC: tl.constexpr, SHIFT: tl.constexpr, UNBOUNDED: tl.constexpr,
+def _row_block(q, k, gcum, beta, Aqk, rstd, rstd_plane, t0, T, scale, R: tl.constexpr, BTC: tl.constexpr,
+               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, UNBOUNDED: tl.constexpr,
                DOT_PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr, L2NORM: tl.constexpr,
                BETA_SIGMOID: tl.constexpr):
     """Row block R of the chunk at t0 against its first BTC columns: BTC ≥ 16(R + 1), or for an
@@ -192,7 +192,7 @@ def _row_block(q, k, gcum, beta, Aqk, rstd, rstd_plane, t0, R: tl.constexpr, T, 
     if UNBOUNDED:
         b_Dqk, b_Dkk, b_rn = _diagonal_block(
             b_q, b_k, b_g, g_n, _gamma_row(gcum, n + BC // 2 - 1, n, T, HV, K), _gamma_row(gcum, n + BC // 2, n, T, HV, K),
-            _gamma_row(gcum, n + BC - 1, n, T, HV, K), m_t, BC, SPLIT_BF16, DOT_PRECISION)
+            _gamma_row(gcum, n + BC - 1, n, T, HV, K), m_t, SPLIT_BF16, DOT_PRECISION)
         b_c = g_n                                     # the columns before n
         m_c = (o_j < R * BC) & (t0 + o_j < T) & (n + 0 * o_j < T)
     else:
@@ -282,8 +282,7 @@ def _inverse(A, PREC: tl.constexpr):
 
 
 @triton.jit
-def _solve_rows(Tm, t0, R: tl.constexpr, T, b_Arr, b_Y, b_beta, HV: tl.constexpr, BT: tl.constexpr,
-                BC: tl.constexpr, PREC: tl.constexpr):
+def _solve_rows(Tm, t0, R: tl.constexpr, T, b_Arr, b_Y, b_beta, HV: tl.constexpr, PREC: tl.constexpr):
     """X_R = (I + A_RR)⁻¹ (E_R − Y), the rows of block R of (I + Akk)⁻¹ given Y = Σ_{m<R} A_Rm X_m
     [BC, BT]; stores X_R Diag(β) as Tm's rows and returns X_R."""
     o_i = tl.arange(0, BC)
@@ -299,12 +298,12 @@ def _solve_rows(Tm, t0, R: tl.constexpr, T, b_Arr, b_Y, b_beta, HV: tl.constexpr
 @triton.jit(do_not_specialize=["T"])
 def intra_chunk_kernel(
     q, k, gcum, beta, Aqk, Tm,        # [B,T,H,K] ×2, [B,T,HV,K], [B,T,HV], [B,T,HV,BT] ×2
-    Rb, Rstd,                         # [B,HV,T] fp32 β's residual (BETA_RESIDUAL), [2,B,H,T] fp32 norms (L2NORM)
-    cu_seqlens, chunk_indices,        # packed sequences (kda_opt/seqs)
+    Rb, Rstd,                         # [B,HV,T] fp32 β's residual (BETA_RESIDUAL), [2,B,H,T] fp32 norms (L2NORM), or None
+    cu_seqlens, chunk_indices,        # packed sequences (kda_opt/seqs), or None
     T, scale,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    SHIFT: tl.constexpr, UNBOUNDED: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr,
-    PACKED: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, BETA_RESIDUAL: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, UNBOUNDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT_BF16: tl.constexpr, PACKED: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    BETA_RESIDUAL: tl.constexpr,
 ):
     # FLA 0.6.0 computes these matrices in three kernels (diagonal blocks, off-diagonal blocks fused
     # with the solve, then the inverse's merges); here one program holds a chunk's Akk in registers,
@@ -331,44 +330,45 @@ def intra_chunk_kernel(
     if BETA_RESIDUAL:
         b_round = b_beta.to(Tm.dtype.element_ty).to(tl.float32)
         tl.store(Rb + (i_b * HV + i_hv) * T_all + tok + o_c, b_beta - b_round, mask=o_c < T)
-    Rstd += (i_b * H + i_h) * T_all + tok
-    rstd_plane = tl.num_programs(0).to(tl.int64) // HV * H * T_all     # B·H·T: q's norms, then k's
+    rstd_plane = 0
+    if L2NORM:
+        Rstd += (i_b * H + i_h) * T_all + tok
+        rstd_plane = tl.num_programs(0).to(tl.int64) // HV * H * T_all     # B·H·T: q's norms, then k's
     P: tl.constexpr = DOT_PRECISION
+    # The row blocks R = 0..3 against their first BTC columns (_row_block); an unbounded gate's
+    # blocks 1 and 2 need only the columns before their diagonal blocks.
     # Rows past T have zero Akk rows: identity rows of the inverse, never stored, never reached.
-    A0, D = _row_block(q, k, gcum, beta, Aqk, Rstd, rstd_plane, t0, 0, T, scale, H, HV, K, BT, BC, BC,
-                       SHIFT, UNBOUNDED, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
-    X0 = _solve_rows(Tm, t0, 0, T, _diagonal(A0, D, UNBOUNDED), tl.zeros([BC, BT], dtype=tl.float32),
-                     b_beta, HV, BT, BC, P)
-    # An unbounded gate's row blocks 1 and 2 need only the columns before their diagonal blocks.
-    A1, D = _row_block(q, k, gcum, beta, Aqk, Rstd, rstd_plane, t0, 1, T, scale, H, HV, K, BT, BC,
-                       BC if UNBOUNDED else 2 * BC, SHIFT, UNBOUNDED, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
+    A0, D = _row_block(q, k, gcum, beta, Aqk, Rstd, rstd_plane, t0, T, scale, 0, BC,
+                       H, HV, K, UNBOUNDED, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
+    X0 = _solve_rows(Tm, t0, 0, T, _diagonal(A0, D, UNBOUNDED), tl.zeros([BC, BT], dtype=tl.float32), b_beta, HV, P)
+    A1, D = _row_block(q, k, gcum, beta, Aqk, Rstd, rstd_plane, t0, T, scale, 1, BC if UNBOUNDED else 2 * BC,
+                       H, HV, K, UNBOUNDED, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
     if UNBOUNDED:
         A10, A11 = A1, D
     else:
         A10, A11 = _halves(A1)
-    X1 = _solve_rows(Tm, t0, 1, T, A11, tl.dot(A10, X0, input_precision=P), b_beta, HV, BT, BC, P)
-    A2, D = _row_block(q, k, gcum, beta, Aqk, Rstd, rstd_plane, t0, 2, T, scale, H, HV, K, BT, BC,
-                       2 * BC if UNBOUNDED else BT, SHIFT, UNBOUNDED, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
+    X1 = _solve_rows(Tm, t0, 1, T, A11, tl.dot(A10, X0, input_precision=P), b_beta, HV, P)
+    A2, D = _row_block(q, k, gcum, beta, Aqk, Rstd, rstd_plane, t0, T, scale, 2, 2 * BC if UNBOUNDED else BT,
+                       H, HV, K, UNBOUNDED, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
     if UNBOUNDED:
         A20, A21 = _halves(A2)
         A22 = D
     else:
         A20, A21, A22, _ = _quarters(A2)
     b_Y = tl.dot(A21, X1, tl.dot(A20, X0, input_precision=P), input_precision=P)
-    X2 = _solve_rows(Tm, t0, 2, T, A22, b_Y, b_beta, HV, BT, BC, P)
-    A3, D = _row_block(q, k, gcum, beta, Aqk, Rstd, rstd_plane, t0, 3, T, scale, H, HV, K, BT, BC,
-                       BT, SHIFT, UNBOUNDED, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
+    X2 = _solve_rows(Tm, t0, 2, T, A22, b_Y, b_beta, HV, P)
+    A3, D = _row_block(q, k, gcum, beta, Aqk, Rstd, rstd_plane, t0, T, scale, 3, BT,
+                       H, HV, K, UNBOUNDED, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
     A30, A31, A32, A33 = _quarters(A3)
     b_Y = tl.dot(A32, X2, tl.dot(A31, X1, tl.dot(A30, X0, input_precision=P), input_precision=P),
                  input_precision=P)
-    _solve_rows(Tm, t0, 3, T, _diagonal(A33, D, UNBOUNDED), b_Y, b_beta, HV, BT, BC, P)
+    _solve_rows(Tm, t0, 3, T, _diagonal(A33, D, UNBOUNDED), b_Y, b_beta, HV, P)
 
 
-def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64, *, gate_bounded: bool = False,
-                seqs: Seqs | None = None, l2norm: bool = False, beta_sigmoid: float | None = None,
-                beta_residual: torch.Tensor | None = None, qk_rstd: torch.Tensor | None = None,
-                num_warps: int = NUM_WARPS):
-    """Aqk [B, T, HV, C] (q's dtype) and Tm [B, T, HV, C] (k's dtype) of every chunk (C = 64).
+def intra_chunk(q, k, gcum, beta, scale: float, *, gate_bounded: bool = False, seqs: Seqs | None = None,
+                l2norm: bool = False, beta_sigmoid: float | None = None, beta_residual: torch.Tensor | None = None,
+                qk_rstd: torch.Tensor | None = None, num_warps: int = NUM_WARPS):
+    """Aqk [B, T, HV, C] (q's dtype) and Tm [B, T, HV, C] (k's dtype) of every chunk (C = CHUNK).
     gate_bounded: every log-decay a ≥ −5 (Γ falls at most 5/ln 2 per token in log2 units), so one
     product per row block serves its diagonal too; otherwise Γ must fall at most 24 per token, as
     stage 1's floor makes it (module docstring, "Products"). seqs: the sequence layout (kda_opt/seqs;
@@ -376,21 +376,18 @@ def intra_chunk(q, k, gcum, beta, scale: float, chunk_size: int = 64, *, gate_bo
     beta_sigmoid: beta holds logits and β = beta_sigmoid · sigmoid(beta) (None: beta is β).
     beta_residual: a [B, HV, T] fp32 tensor that receives β − β rounded to Tm's dtype (module
     docstring). qk_rstd: with l2norm, a [2, B, H, T] fp32 tensor that receives q's and k's
-    1 / sqrt(Σ x² + eps) per token (None: a buffer of the launcher's own). num_warps is a tuning knob
-    (scripts/bench_stages.py)."""
+    1 / sqrt(Σ x² + eps) per token (None: a buffer of the launcher's own). num_warps: the kernel's
+    warps (kda_opt/plan.Tuning)."""
     B, T, H, K = q.shape
     HV = gcum.shape[2]
-    if chunk_size != 4 * BC:
-        raise ValueError(f"intra_chunk computes chunks of {4 * BC}, got chunk_size={chunk_size}")
-    seqs = seqs or fixed(T, chunk_size)
-    Aqk = torch.empty(B, T, HV, chunk_size, dtype=q.dtype, device=q.device)
-    Tm = torch.empty(B, T, HV, chunk_size, dtype=k.dtype, device=q.device)
+    seqs = seqs or fixed(T)
+    Aqk = torch.empty(B, T, HV, CHUNK, dtype=q.dtype, device=q.device)
+    Tm = torch.empty(B, T, HV, CHUNK, dtype=k.dtype, device=q.device)
     if l2norm and qk_rstd is None:
         qk_rstd = torch.empty(2, B, H, T, dtype=torch.float32, device=q.device)
     intra_chunk_kernel[(B * HV, seqs.chunk_slots)](
-        q, k, gcum, beta, Aqk, Tm, beta if beta_residual is None else beta_residual,
-        beta if qk_rstd is None else qk_rstd, *seqs.pointers(Aqk), T, scale,
-        H=H, HV=HV, K=K, BT=chunk_size, BC=BC, SHIFT=SHIFT, PACKED=seqs.packed, L2NORM=l2norm,
+        q, k, gcum, beta, Aqk, Tm, beta_residual, qk_rstd if l2norm else None, seqs.cu_seqlens, seqs.chunk_indices,
+        T, scale, H=H, HV=HV, K=K, PACKED=seqs.packed, L2NORM=l2norm,
         UNBOUNDED=not gate_bounded, BETA_SIGMOID=float(beta_sigmoid or 0.0),
         BETA_RESIDUAL=beta_residual is not None,
         # Precision (module docstring). The interpreter ignores DOT_PRECISION and multiplies in fp32.

@@ -1,6 +1,10 @@
-"""Options that travel through the pipeline as one frozen value instead of loose arguments."""
+"""The engine's fixed constants, and the gate option that travels through the stages as one frozen value."""
 import math
 from dataclasses import dataclass
+
+# Tokens per chunk: the only size the stages compute (stage 2 takes a chunk as four 16-row blocks).
+# kda_forward's chunk_size argument (FLA's name) must equal it.
+CHUNK = 64
 
 # FLA's l2norm (use_qk_l2norm_in_kernel): x / sqrt(Σ x² + L2NORM_EPS) per head and token.
 L2NORM_EPS = 1e-6

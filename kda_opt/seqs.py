@@ -2,7 +2,7 @@
 
     fixed:  B sequences of T tokens; sequence b is rows b·T .. b·T + T − 1 of [B·T, ...]
     packed: B = 1; sequence n is tokens cu_seqlens[n] .. cu_seqlens[n+1] − 1 (FlashAttention's
-            cu_seqlens, [N + 1]), cut into chunks of C from its own first token
+            cu_seqlens, [N + 1]), cut into chunks of C = CHUNK from its own first token
 A per-chunk grid has one slot per chunk. Packed, Σ cdiv(len_n, C) ≤ cdiv(T, C) + N − 1, so that many
 slots cover any lengths; chunk_indices [slots, 2] names each slot's (sequence, chunk in it), (−1, 0)
 for a spare one, and is built on the device from cu_seqlens by two small kernels (no host sync):
@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from .options import CHUNK
 
 BLOCK = 1024  # sequences per step of the offsets scan; slots per program of the index search
 
@@ -29,27 +31,23 @@ class Seqs:
     def packed(self) -> bool:
         return self.cu_seqlens is not None
 
-    def pointers(self, fallback: torch.Tensor):
-        """(cu_seqlens, chunk_indices) as kernel arguments; `fallback` stands in for both when fixed."""
-        return (self.cu_seqlens, self.chunk_indices) if self.packed else (fallback, fallback)
-
 
 def num_sequences(B: int, cu_seqlens: torch.Tensor | None) -> int:
     """N: the B batch entries, or the sequences cu_seqlens [N + 1] packs into the one entry."""
     return B if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
 
-def fixed(T: int, chunk_size: int) -> Seqs:
+def fixed(T: int) -> Seqs:
     """B sequences of T tokens each: the chunk slots of one (the grid covers B·HV of them)."""
-    return Seqs(chunk_slots=triton.cdiv(T, chunk_size))
+    return Seqs(chunk_slots=triton.cdiv(T, CHUNK))
 
 
-def packed(cu_seqlens: torch.Tensor, T: int, chunk_size: int) -> Seqs:
+def packed(cu_seqlens: torch.Tensor, T: int) -> Seqs:
     """The layout of sequences packed along T by cu_seqlens (validated by the caller)."""
     N = cu_seqlens.shape[0] - 1
-    slots = triton.cdiv(T, chunk_size) + N - 1
+    slots = triton.cdiv(T, CHUNK) + N - 1
     offsets = torch.empty(N + 1, dtype=torch.int32, device=cu_seqlens.device)
-    chunk_offsets_kernel[(1,)](cu_seqlens, offsets, N, T, C=chunk_size, BLOCK=BLOCK)
+    chunk_offsets_kernel[(1,)](cu_seqlens, offsets, N, T, C=CHUNK, BLOCK=BLOCK)
     indices = torch.empty(slots, 2, dtype=torch.int32, device=cu_seqlens.device)
     chunk_indices_kernel[(triton.cdiv(slots, BLOCK),)](offsets, indices, N, slots, N.bit_length(), BLOCK=BLOCK)
     return Seqs(chunk_slots=slots, cu_seqlens=cu_seqlens, chunk_indices=indices)
@@ -101,7 +99,8 @@ def chunk_indices_kernel(offsets, indices, N, slots, STEPS, BLOCK: tl.constexpr)
 def chunk_span(i_b, i_t, T, cu_seqlens, chunk_indices, PACKED: tl.constexpr):
     """Chunk slot i_t of batch entry i_b → (its sequence's first token as a row of [B·T], the
     sequence's length, the chunk's index in the sequence). A spare slot is chunk 0 of an empty
-    sequence: every mask against the length is false there."""
+    sequence: every mask against the length is false there. Fixed length: cu_seqlens and
+    chunk_indices are None, never read."""
     if PACKED:
         n = tl.load(chunk_indices + 2 * i_t)
         bos, eos = _bounds(cu_seqlens, tl.maximum(n, 0), T)

@@ -21,6 +21,7 @@ import functools
 import cuda.tile as ct
 import torch
 
+from .options import CHUNK
 from .seqs import num_sequences
 
 ConstInt = ct.Constant[int]
@@ -158,37 +159,44 @@ def block_v_for(programs: int, V: int, sms: int, dtype: torch.dtype) -> int:
 
 
 @functools.cache
-def _absent(device: torch.device, ndim: int, dtype: torch.dtype) -> torch.Tensor:
-    """Stands in for a missing S0, final state, cu_seqlens, β residual or norms: HAS_S0 / STORE_SF /
-    PACKED / BETA_RESIDUAL / L2NORM compile its access away."""
+def _stand_in(device: torch.device, ndim: int, dtype: torch.dtype) -> torch.Tensor:
+    """What the launch passes for an absent input (None: S0, final state, cu_seqlens, β residual or
+    norms), as cuTile takes arrays only: HAS_S0 / STORE_SF / PACKED / BETA_RESIDUAL / L2NORM compile
+    its access away."""
     return torch.empty((1,) * ndim, dtype=dtype, device=device)
 
 
-def launch_config(q, k, v, gcum, Tm, Aqk, scale, initial_state, o, final_state, block_v, chunk_size=64,
-                  cu_seqlens=None, qk_rstd=None, state_v_first=False, beta_residual=None):
+@functools.cache
+def _kernel(worker_warps: int):
+    """wuso_kernel compiled with `worker_warps` worker warps (WORKER_WARPS: the kernel itself)."""
+    return wuso_kernel if worker_warps == WORKER_WARPS else wuso_kernel.replace_hints(num_worker_warps=worker_warps)
+
+
+def launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, final_state, cu_seqlens=None,
+                  qk_rstd=None, state_v_first=False, beta_residual=None):
     """(grid, kernel arguments) of one launch: the one place both the launcher and the export test
     (tests/test_wuso.py, on meta tensors) take the kernel's specialisation from."""
     B, _, HV, V = v.shape
-    absent = lambda x, ndim, dtype=torch.float32: _absent(v.device, ndim, dtype) if x is None else x
-    args = (q, k, v, gcum, Tm, Aqk, absent(beta_residual, 3), absent(qk_rstd, 4), absent(initial_state, 4), o,
-            absent(final_state, 4), absent(cu_seqlens, 1, torch.int32), float(scale),
-            q.shape[-1], block_v, chunk_size, initial_state is not None, final_state is not None,
+    given = lambda x, ndim, dtype=torch.float32: _stand_in(v.device, ndim, dtype) if x is None else x
+    args = (q, k, v, gcum, Tm, Aqk, given(beta_residual, 3), given(qk_rstd, 4), given(initial_state, 4), o,
+            given(final_state, 4), given(cu_seqlens, 1, torch.int32), float(scale),
+            q.shape[-1], block_v, CHUNK, initial_state is not None, final_state is not None,
             q.dtype == torch.bfloat16, cu_seqlens is not None, qk_rstd is not None, state_v_first,
             beta_residual is not None)
     return (V // block_v, num_sequences(B, cu_seqlens) * HV, 1), args
 
 
-def wuso(q, k, v, gcum, Tm, Aqk, scale: float, initial_state=None, output_final_state=False,
-         chunk_size: int = 64, block_v: int | None = None, cu_seqlens=None, qk_rstd=None,
-         state_v_first: bool = False, beta_residual=None, out=None):
+def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=None, output_final_state=False,
+         cu_seqlens=None, qk_rstd=None, state_v_first: bool = False, beta_residual=None, out=None,
+         worker_warps: int = WORKER_WARPS):
     """Stage 4 on the current stream: o [B, T, HV, V] (v's dtype) and the final state [N, HV, K, V]
     fp32, or None unless output_final_state. Inputs as in the module docstring, contiguous (kda_forward
-    validates them); cu_seqlens [N + 1] packs N sequences into the one batch entry. block_v: V columns
-    per program; None picks it with block_v_for. qk_rstd: stage 2's [2, B, H, T] fp32 norms (l2norm),
-    or None. state_v_first: the initial and final states are [N, HV, V, K]. beta_residual: stage 2's
-    r [B, HV, T] fp32 (module docstring), or None. out: o's storage, a [B, T, HV, V] tensor of v's
-    dtype whose rows are contiguous (a slice along T of a B = 1 tensor, kda_opt/forward's time
-    segments), or None for a new one."""
+    validates them); absent ones None; cu_seqlens [N + 1] packs N sequences into the one batch entry.
+    block_v: V columns per program (block_v_for's choice, made by kda_opt/plan). qk_rstd: stage 2's
+    [2, B, H, T] fp32 norms (l2norm). state_v_first: the initial and final states are [N, HV, V, K].
+    beta_residual: stage 2's r [B, HV, T] fp32 (module docstring). out: o's storage, a [B, T, HV, V]
+    tensor of v's dtype whose rows are contiguous (a slice along T of a B = 1 tensor, kda_opt/forward's
+    time segments), or None for a new one. worker_warps: the kernel's worker warps (WORKER_WARPS)."""
     B, _, HV, V = v.shape
     K = q.shape[-1]
     N = num_sequences(B, cu_seqlens)
@@ -196,10 +204,7 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, initial_state=None, output_final_
     final = None
     if output_final_state:
         final = v.new_empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=torch.float32)
-    if block_v is None:
-        sms = torch.cuda.get_device_properties(v.device).multi_processor_count
-        block_v = block_v_for(N * HV, V, sms, q.dtype)
-    grid, args = launch_config(q, k, v, gcum, Tm, Aqk, scale, initial_state, o, final, block_v, chunk_size,
-                               cu_seqlens, qk_rstd, state_v_first, beta_residual)
-    ct.launch(torch.cuda.current_stream(), grid, wuso_kernel, args)
+    grid, args = launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, final, cu_seqlens,
+                               qk_rstd, state_v_first, beta_residual)
+    ct.launch(torch.cuda.current_stream(), grid, _kernel(worker_warps), args)
     return o, final

@@ -7,7 +7,7 @@ so each runs with exactly the arguments kda_forward gives it, in any configurati
 --config ...). A stage's floor is the bytes of its inputs and outputs over the copy bandwidth measured
 here; `first s` is its first call's seconds, compiles included. Stage 2 (with the inverse, stage 3)
 runs once per warp count, stage 4 once per (block_v, worker warps) pair; the defaults
-are the launchers' own choices. Where kda_forward cuts the sequence into time segments, a stage's row
+are the plan's own choices (kda_opt/plan). Where kda_forward cuts the sequence into time segments, a stage's row
 runs all its segments' launches one after another (without the overlap kda_forward gets).
 """
 import argparse
@@ -18,9 +18,10 @@ import torch
 from triton.testing import do_bench
 
 from kda_bench.bench import case_from_args, measure_ceilings, parse_args as bench_args
-from kda_opt import forward, kda_forward, wuso as stage4
-
-STAGES = ("packed", "gate_cumsum", "intra_chunk", "wuso")  # kda_opt.forward's launchers, in order
+from kda_opt import kda_forward
+from kda_opt.forward import RUN_TENSORS, run as run_plan
+from kda_opt.plan import make_plan
+from kda_opt.wuso import WORKER_WARPS
 
 
 def nbytes(*xs):
@@ -31,25 +32,17 @@ def ints(text):
     return [int(x) for x in text.split(",")] if text else [None]
 
 
-def record_stages(call):
-    """Runs call() (a kda_forward) with forward's stage launchers recorded: {name: [(launcher, args,
-    kwargs, result), ...]}, every launch of each stage it ran (one per time segment where it cuts
-    the sequence: kda_opt/forward)."""
-    calls, launchers = {}, {name: getattr(forward, name) for name in STAGES}
+def record_stages(forward):
+    """Calls forward(launch) with a `launch` (as kda_opt.forward.run takes) that records every stage
+    launch: {stage: [(launcher, args, kwargs, result), ...]}, one per time segment where the plan
+    cuts the sequence."""
+    calls = {}
 
-    def recorded(name, launcher):
-        def run(*args, **kwargs):
-            result = launcher(*args, **kwargs)
-            calls.setdefault(name, []).append((launcher, args, kwargs, result))
-            return result
-        return run
-    try:
-        for name, launcher in launchers.items():
-            setattr(forward, name, recorded(name, launcher))
-        call()
-    finally:
-        for name, launcher in launchers.items():
-            setattr(forward, name, launcher)
+    def record(name, launcher, *args, **kwargs):
+        result = launcher(*args, **kwargs)
+        calls.setdefault(name, []).append((launcher, args, kwargs, result))
+        return result
+    forward(record)
     return calls
 
 
@@ -69,26 +62,18 @@ def stage_bytes(records, inputs, outputs):
 
 def stage_rows(stages, intra_warps, block_v, worker_warps):
     """[(label, call, bytes)]: each recorded stage (record_stages) once, stage 2 once per warp count,
-    stage 4 once per (block_v, worker warps); None or 0 in a list is the launcher's own choice."""
+    stage 4 once per (block_v, worker warps); None or 0 in a list is the plan's own choice."""
     rows = []
-    if "packed" in stages:
-        rows.append(("seqs (chunk table)", replay(stages["packed"]), 0))
-    rows.append(("gate", replay(stages["gate_cumsum"]), stage_bytes(stages["gate_cumsum"], 1, lambda r: [r])))
+    if "seqs" in stages:
+        rows.append(("seqs (chunk table)", replay(stages["seqs"]), 0))
+    rows.append(("gate", replay(stages["gate"]), stage_bytes(stages["gate"], 1, lambda r: [r])))
     for w in intra_warps:
-        rows.append((f"intra warps={w or 'default'}", replay(stages["intra_chunk"], **({"num_warps": w} if w else {})),
-                     stage_bytes(stages["intra_chunk"], 4, list)))
-    base_kernel = stage4.wuso_kernel
+        rows.append((f"intra warps={w or 'default'}", replay(stages["intra"], **({"num_warps": w} if w else {})),
+                     stage_bytes(stages["intra"], 4, list)))
     for bv, warps in itertools.product(block_v, worker_warps):
-        kernel = base_kernel.replace_hints(num_worker_warps=warps) if warps else base_kernel
-        label = f"wuso bv={bv or 'auto'} warps={warps or stage4.WORKER_WARPS}"
-
-        def run(call=replay(stages["wuso"], block_v=bv or None), kernel=kernel):
-            stage4.wuso_kernel = kernel
-            try:
-                return call()
-            finally:
-                stage4.wuso_kernel = base_kernel
-        rows.append((label, run, stage_bytes(stages["wuso"], 6, lambda r: r[:1])))
+        extra = {**({"block_v": bv} if bv else {}), **({"worker_warps": warps} if warps else {})}
+        rows.append((f"wuso bv={bv or 'auto'} warps={warps or WORKER_WARPS}", replay(stages["wuso"], **extra),
+                     stage_bytes(stages["wuso"], 6, lambda r: r[:1])))
     return rows
 
 
@@ -102,7 +87,8 @@ def main():
     c = case_from_args(bench_args(rest))
     a = c.inputs()
     bw, _ = measure_ceilings()
-    stages = record_stages(lambda: kda_forward(**a))
+    stages = record_stages(lambda launch: run_plan(make_plan(**a), **{n: a.get(n) for n in RUN_TENSORS},
+                                                   launch=launch))
 
     rows = stage_rows(stages, own.intra_warps, own.block_v, own.worker_warps)
     rows.append(("kda_forward", lambda: kda_forward(**a), 0))

@@ -60,15 +60,16 @@ def main():
 
 
 def nvtx_cost(inputs):
-    """Median forward time with the NVTX ranges, then with them replaced by a null context."""
-    import contextlib
+    """Median forward time with the stages' NVTX ranges (kda_opt.forward.run's default launch), then
+    with a launch that opens none (the range around the whole forward stays in both)."""
     from triton.testing import do_bench
-    from kda_opt import forward
-    times, ranges = {}, forward.nvtx_range
-    for label, rng in (("with NVTX ranges", ranges), ("without", lambda *a, **k: contextlib.nullcontext())):
-        forward.nvtx_range = rng
-        times[label] = sorted(do_bench(lambda: kda_forward(**inputs), return_mode="median") for _ in range(5))[2]
-    forward.nvtx_range = ranges
+    from kda_opt.forward import RUN_TENSORS, annotated, run
+    from kda_opt.plan import make_plan
+    plan, tensors = make_plan(**inputs), {n: inputs.get(n) for n in RUN_TENSORS}
+    bare = lambda name, launcher, *args, **kwargs: launcher(*args, **kwargs)
+    times = {label: sorted(do_bench(lambda: run(plan, **tensors, launch=launch), return_mode="median")
+                           for _ in range(5))[2]
+             for label, launch in (("with NVTX ranges", annotated), ("without", bare))}
     print("  ".join(f"{k}: {v:.4f} ms" for k, v in times.items()))
 
 

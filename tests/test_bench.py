@@ -41,18 +41,17 @@ def test_benchmark_row_says_what_the_state_costs(monkeypatch):
     monkeypatch.setattr(triton.testing, "do_bench", lambda f, **kw: float(next(times)))
     monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(bench.peers, "flashkda", lambda args: (None, "not here"))
-    import kda_opt
     seen = []
-    monkeypatch.setattr(kda_opt, "kda_forward", lambda **a: seen.append("initial_state" in a and a["initial_state"] is not None))
+    forward = lambda **a: seen.append("initial_state" in a and a["initial_state"] is not None)
     case = bench.Case(1, 64, 2, 64, "safe", -5.0, torch.float32, 0)
     monkeypatch.setattr(bench.Case, "inputs", lambda self: bench.random_inputs(1, 64, 2, 64, device="cpu",
                                                                                 initial_state=self.initial_state))
-    row = bench.benchmark(case, lambda **a: None, 1, 1, (1e12, 1e12))
+    row = bench.benchmark(case, lambda **a: None, 1, 1, (1e12, 1e12), forward)
     assert row["initial_state"] == 1 and row["decay"] == "fast" and True in seen and False in seen
     assert isinstance(row["kda_opt_no_state_ms"], float) and isinstance(row["state_cost_pct"], float)
     seen.clear()
     row = bench.benchmark(bench.Case(1, 64, 2, 64, "safe", -5.0, torch.float32, 0, initial_state=False),
-                          lambda **a: None, 1, 1, (1e12, 1e12))
+                          lambda **a: None, 1, 1, (1e12, 1e12), forward)
     assert row["initial_state"] == 0 and row["state_cost_pct"] == bench.NOT_RUN and True not in seen
 
 

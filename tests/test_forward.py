@@ -1,17 +1,24 @@
-"""kda_forward end to end: validation (CPU), and on GPU the whole forward against the float64
-recurrence beside FLA's own error (docs/DESIGN.md, Accuracy), and against FLA chunk_kda directly."""
+"""kda_forward end to end on the GPU: the whole forward against the float64 recurrence beside FLA's
+own error (docs/DESIGN.md, Accuracy), and against FLA chunk_kda directly. (Validation: tests/test_plan.py.)"""
 import itertools
 
 import pytest
 import torch
 
-from kda_opt import forward, kda_forward, reference
 from kda_bench.inputs import GATE_MODES, ill_conditioned_inputs, random_inputs
+from kda_opt import kda_forward, reference
+from kda_opt.forward import RUN_TENSORS, run
+from kda_opt.plan import Tuning, make_plan
 from kda_opt.reference import ERROR_FLOOR, error_bound, reference_forward
-from kda_opt.wuso import wuso
 from tests.conftest import gpu, rel_err
 
 PER_TOKEN = ("q", "k", "v", "g", "beta")  # kda_forward's arguments with a row per token
+
+
+def run_tuned(args, tuning, launch=None):
+    """kda_forward's call with other launch knobs: the plan made with `tuning`, then run."""
+    plan = make_plan(**args, tuning=tuning)
+    return run(plan, **{n: args.get(n) for n in RUN_TENSORS}, **({"launch": launch} if launch else {}))
 
 
 def fla_chunk_kda():
@@ -23,122 +30,6 @@ def bound(ours_fn, fla_fn):
     ours exceeds the floor, below which the bound is the floor whatever FLA's error."""
     ours = ours_fn()
     return ours, (ERROR_FLOOR if ours <= ERROR_FLOOR else error_bound(fla_fn()))
-
-
-# ---- validation: every bad input raises before any kernel runs (these run on CPU tensors, since
-# all shape/dtype/option checks precede the device check) ----
-
-def cpu_args(**over):
-    args = random_inputs(1, 8, 2, 64, device="cpu", dtype=torch.float32)
-    args.update(over)
-    return args
-
-
-BAD_INPUTS = {
-    "q not a tensor": (TypeError, "q", dict(q=[1.0])),
-    "q integer": (TypeError, "q", dict(q=torch.ones(1, 8, 2, 64, dtype=torch.int32))),
-    "q 3-D": (ValueError, "q", dict(q=torch.randn(8, 2, 64))),
-    "k shape": (ValueError, "k", dict(k=torch.randn(1, 8, 2, 32))),
-    "v batch": (ValueError, "v", dict(v=torch.randn(2, 8, 2, 64))),
-    "g shape": (ValueError, "g", dict(g=torch.randn(1, 8, 2, 32))),
-    "beta shape": (ValueError, "beta", dict(beta=torch.rand(1, 8, 3))),
-    "HV not multiple of H": (ValueError, "head count", dict(v=torch.randn(1, 8, 3, 64), g=torch.randn(1, 8, 3, 64),
-                                                           beta=torch.rand(1, 8, 3), A_log=torch.randn(3),
-                                                           dt_bias=torch.randn(3 * 64))),
-    "head dim 96": (ValueError, "head dims", dict(q=torch.randn(1, 8, 2, 96), k=torch.randn(1, 8, 2, 96),
-                                                  g=torch.randn(1, 8, 2, 96), dt_bias=torch.randn(2 * 96))),
-    "dtype float64": (TypeError, "q", dict(q=torch.randn(1, 8, 2, 64, dtype=torch.float64))),
-    "mixed dtypes": (TypeError, "share one dtype", dict(v=torch.randn(1, 8, 2, 64, dtype=torch.bfloat16))),
-    "initial_state shape": (ValueError, "initial_state", dict(initial_state=torch.zeros(1, 2, 64, 32))),
-    "chunk_size 32": (ValueError, "chunk_size", dict(chunk_size=32)),
-    "gate in kernel, no A_log nor lower_bound": (ValueError, "A_log", dict(lower_bound=None, safe_gate=False, A_log=None)),
-    "safe_gate in kernel without lower_bound": (ValueError, "lower_bound", dict(lower_bound=None)),
-    "safe_gate lower_bound out of range": (ValueError, "lower_bound", dict(lower_bound=-6.0)),
-    "A_log wrong size": (ValueError, "A_log", dict(A_log=torch.randn(3))),
-    "dt_bias wrong size": (ValueError, "dt_bias", dict(dt_bias=torch.randn(64))),
-    "A_log without gate in kernel": (ValueError, "A_log", dict(use_gate_in_kernel=False)),
-    "head dim 256": (ValueError, "256", dict(q=torch.randn(1, 8, 2, 256), k=torch.randn(1, 8, 2, 256),
-                                             g=torch.randn(1, 8, 2, 256), dt_bias=torch.randn(2 * 256))),
-    "cu_seqlens float": (TypeError, "cu_seqlens", dict(cu_seqlens=torch.tensor([0.0, 8.0]))),
-    "cu_seqlens not a tensor": (TypeError, "cu_seqlens", dict(cu_seqlens=[0, 8])),
-    "cu_seqlens 2-D": (ValueError, "cu_seqlens", dict(cu_seqlens=torch.tensor([[0, 8]]))),
-    "cu_seqlens one entry": (ValueError, "cu_seqlens", dict(cu_seqlens=torch.tensor([0]))),
-    "cu_seqlens with B > 1": (ValueError, "batch size must be 1", dict(
-        cu_seqlens=torch.tensor([0, 8]), **{n: torch.cat([x, x]) for n, x in cpu_args().items()
-                                             if n in PER_TOKEN})),
-    "initial_state for B, not N": (ValueError, "initial_state", dict(
-        cu_seqlens=torch.tensor([0, 3, 8]), initial_state=torch.zeros(1, 2, 64, 64))),
-    "cu_seqlens_cpu alone": (ValueError, "cu_seqlens_cpu", dict(cu_seqlens_cpu=torch.tensor([0, 8]))),
-    "cu_seqlens_cpu falls": (ValueError, "cu_seqlens_cpu", dict(
-        cu_seqlens=torch.tensor([0, 5, 3, 8]), cu_seqlens_cpu=torch.tensor([0, 5, 3, 8]))),
-    "cu_seqlens_cpu short of T": (ValueError, "cu_seqlens_cpu", dict(
-        cu_seqlens=torch.tensor([0, 5, 7]), cu_seqlens_cpu=torch.tensor([0, 5, 7]))),
-    "cu_seqlens_cpu other length": (ValueError, "cu_seqlens_cpu", dict(
-        cu_seqlens=torch.tensor([0, 5, 8]), cu_seqlens_cpu=torch.tensor([0, 8]))),
-    "allow_neg_eigval without beta logits": (ValueError, "use_beta_sigmoid_in_kernel", dict(allow_neg_eigval=True)),
-    "state_v_first and transpose_state_layout": (ValueError, "transpose_state_layout", dict(
-        state_v_first=True, transpose_state_layout=True)),
-    "initial_state float64": (TypeError, "initial_state", dict(initial_state=torch.zeros(1, 2, 64, 64, dtype=torch.float64))),
-    "initial_state K-first with state_v_first": (ValueError, "state_v_first", dict(
-        state_v_first=True, v=torch.randn(1, 8, 2, 128), initial_state=torch.zeros(1, 2, 64, 128))),
-    "CPU tensors": (ValueError, "CUDA", dict()),
-    "q requires grad": (RuntimeError, "forward-only.*q require grad", dict(q=torch.randn(1, 8, 2, 64, requires_grad=True))),
-    "A_log a parameter": (RuntimeError, "A_log require grad", dict(A_log=torch.nn.Parameter(torch.randn(2)))),
-}
-
-
-def test_requires_grad_is_fine_without_autograd():
-    """Under no_grad (as a served model runs) parameters that require grad pass validation (the CPU
-    tensors then stop the call)."""
-    with torch.no_grad(), pytest.raises(ValueError, match="CUDA"):
-        kda_forward(**cpu_args(A_log=torch.nn.Parameter(torch.randn(2))))
-
-
-@pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_bad_input_raises(case):
-    exc, words, over = BAD_INPUTS[case]
-    with pytest.raises(exc, match=words):
-        kda_forward(**cpu_args(**over))
-
-
-def test_transpose_state_layout_is_deprecated():
-    """FLA's old name still works, with a DeprecationWarning (the CPU tensors then stop the call)."""
-    with pytest.warns(DeprecationWarning, match="state_v_first"), pytest.raises(ValueError, match="CUDA"):
-        kda_forward(**cpu_args(transpose_state_layout=True))
-
-
-def test_options_after_output_final_state_are_keyword_only():
-    """FLA's positional order differs past output_final_state: a positional call must not be taken
-    for another option."""
-    a = cpu_args()
-    with pytest.raises(TypeError):
-        kda_forward(a["q"], a["k"], a["v"], a["g"], a["beta"], None, None, True, True)
-
-
-def test_time_segments(monkeypatch):
-    """Where the forward cuts a lone sequence into time segments (kda_opt/forward), and how; on by
-    default."""
-    assert len(forward.time_segments(65536, 1, 64, 132, False)) == 8
-    monkeypatch.setattr(forward, "MAX_SEGMENTS", 8)
-    assert forward.time_segments(65536, 1, 64, 132, False) == [(t, t + 8192) for t in range(0, 65536, 8192)]
-    assert forward.time_segments(20000, 1, 64, 132, False) == [(0, 10048), (10048, 20000)]
-    assert forward.time_segments(65536, 1, 67, 132, False) == [(0, 65536)]    # stage 4 fills half the SMs
-    assert forward.time_segments(65536, 2, 64, 132, False) == [(0, 65536)]    # several sequences
-    assert forward.time_segments(65536, 1, 64, 132, True) == [(0, 65536)]     # packed
-    assert forward.time_segments(16383, 1, 64, 132, False) == [(0, 16383)]    # under two segments
-    for T in range(16384, 200_000, 997):
-        segs = forward.time_segments(T, 1, 32, 132, False)
-        assert 2 <= len(segs) <= forward.MAX_SEGMENTS and segs[0][0] == 0 and segs[-1][1] == T
-        assert all(a1 == b0 and b0 % 64 == 0 and b0 - a0 >= 64 for (a0, b0), (a1, _) in zip(segs, segs[1:]))
-
-
-@gpu
-@pytest.mark.parametrize("name", ["beta", "cu_seqlens"])
-def test_device_mismatch_raises(name):
-    args = random_inputs(1, 8, 2, 64, seqlens=[3, 5])
-    args[name] = args[name].cpu()
-    with pytest.raises(ValueError, match=name):
-        kda_forward(**args)
 
 
 # ---- GPU: the whole forward against the float64 recurrence ----
@@ -382,47 +273,46 @@ def test_forward_state_v_first(state_dtype, seqlens):
 @gpu
 @pytest.mark.parametrize("call", [dict(), dict(gate="softplus", initial_state=True),
                                   dict(l2norm=True, beta_logits=True, state_v_first=True, initial_state=True)])
-def test_forward_time_segments(monkeypatch, call):
+def test_forward_time_segments(call):
     """A lone sequence cut into time segments (stages 1–3 of the next on a side stream while stage 4
     runs this one; forced at a small shape with 128-token segments): one pass's numbers bit for bit
     (the state handed on is stage 4's fp32 state), a tail chunk in the last segment."""
     args = random_inputs(1, 1000, 2, 128, seed=41, **call)
     o, s = kda_forward(**args)
-    monkeypatch.setattr(forward, "SEGMENT_TOKENS", 128)
-    monkeypatch.setattr(forward, "MAX_SEGMENTS", 8)
+    assert make_plan(**args).segments == ((0, 1000),)
+    tuning = Tuning(segment_tokens=128)
     launches = []
-    monkeypatch.setattr(forward, "wuso", lambda *a, **kw: launches.append(kw) or wuso(*a, **kw))
-    o_seg, s_seg = kda_forward(**args)
-    assert len(launches) == len(forward.time_segments(1000, 1, 2, 132, False)) > 1
+    record = lambda name, launcher, *a, **kw: launches.append(name) or launcher(*a, **kw)
+    o_seg, s_seg = run_tuned(args, tuning, launch=record)
+    segments = len(make_plan(**args, tuning=tuning).segments)
+    assert segments > 1 and launches == ["gate", "intra", "wuso"] * segments
     assert torch.equal(o_seg, o) and torch.equal(s_seg, s)
 
 
 @gpu
 @pytest.mark.parametrize("segment_tokens", [None, 128])
-def test_forward_captures_in_a_cuda_graph(monkeypatch, segment_tokens):
+def test_forward_captures_in_a_cuda_graph(segment_tokens):
     """kda_forward in a CUDA graph (it never waits on the device and allocates through torch): new
     inputs copied into the captured ones and one replay give the eager call's numbers, bit for bit.
     FlashKDA's call at a small shape, where launches are the cost; and cut
     into time segments, whose side stream the capture must fork and join."""
-    if segment_tokens:
-        monkeypatch.setattr(forward, "SEGMENT_TOKENS", segment_tokens)
-        monkeypatch.setattr(forward, "MAX_SEGMENTS", 8)
+    forward = kda_forward if segment_tokens is None else lambda **a: run_tuned(a, Tuning(segment_tokens=segment_tokens))
     call = dict(l2norm=True, beta_logits=True, state_v_first=True, initial_state=True)
     static = random_inputs(1, 300, 2, 128, seed=31, **call)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        kda_forward(**static)                  # JIT compiles and autotuning stay out of the capture
+        forward(**static)                      # JIT compiles and autotuning stay out of the capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        o, s = kda_forward(**static)
+        o, s = forward(**static)
     new = random_inputs(1, 300, 2, 128, seed=32, **call)
     for name, x in new.items():
         if isinstance(x, torch.Tensor):
             static[name].copy_(x)
     graph.replay()
-    o_eager, s_eager = kda_forward(**new)
+    o_eager, s_eager = forward(**new)
     assert torch.equal(o, o_eager) and torch.equal(s, s_eager)
 
 

@@ -7,7 +7,7 @@ import torch
 
 from kda_opt import reference as ref
 from kda_opt.gate import gate_cumsum
-from kda_opt.options import GateConfig
+from kda_opt.options import CHUNK, GateConfig
 from kda_opt.seqs import packed
 from tests.conftest import gpu, kernel_device, rel_err
 
@@ -20,12 +20,12 @@ MODES = {
 }
 
 
-def expected_gcum(g, gate, A_log, dt_bias, C):
+def expected_gcum(g, gate, A_log, dt_bias):
     a = ref.activate_gate(g, A_log, dt_bias, gate.lower_bound) if gate.in_kernel else g.double()
-    return ref.chunk_cumsum(ref.floored(a), C) / math.log(2.0)
+    return ref.chunk_cumsum(ref.floored(a), CHUNK) / math.log(2.0)
 
 
-def run_case(B, T, HV, K, mode, dtype, device, C=64):
+def run_case(B, T, HV, K, mode, dtype, device):
     gate, has_a, has_bias = MODES[mode]
     gen = torch.Generator().manual_seed(B * 1000 + T)
     g = (3 * torch.randn(B, T, HV, K, generator=gen)).to(dtype)
@@ -34,9 +34,9 @@ def run_case(B, T, HV, K, mode, dtype, device, C=64):
     A_log = torch.randn(HV, generator=gen) if has_a else None
     dt_bias = torch.randn(HV * K, generator=gen) if has_bias else None
     to = lambda x: None if x is None else x.to(device)
-    out = gate_cumsum(to(g), gate, to(A_log), to(dt_bias), C)
+    out = gate_cumsum(to(g), gate, to(A_log), to(dt_bias))
     assert out.dtype == torch.float32 and out.shape == (B, T, HV, K)
-    return rel_err(out, expected_gcum(g, gate, A_log, dt_bias, C))
+    return rel_err(out, expected_gcum(g, gate, A_log, dt_bias))
 
 
 # Under the interpreter (numpy), sigmoid(x) of a very negative x overflows exp(−x) to inf and warns;
@@ -71,8 +71,8 @@ def test_gate_packed_sequences(lens, mode):
     cu = torch.tensor([0, *lens]).cumsum(0)
     dev = kernel_device()
     to = lambda x: None if x is None else x.to(dev)
-    out = gate_cumsum(to(g), gate, to(A_log), to(dt_bias), 64, packed(cu.to(dev), T, 64))
-    expected = torch.cat([expected_gcum(g[:, a:b], gate, A_log, dt_bias, 64)
+    out = gate_cumsum(to(g), gate, to(A_log), to(dt_bias), packed(cu.to(dev), T))
+    expected = torch.cat([expected_gcum(g[:, a:b], gate, A_log, dt_bias)
                           for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())], dim=1)
     assert rel_err(out, expected) < 1e-6
 
@@ -87,7 +87,7 @@ def test_gate_floor(mode):
         g = torch.tensor([-0.5, -100.0, -3.0, -float("inf"), -16.0]).view(1, 5, 1, 1).expand(1, 5, 1, 4).clone()
     A_log = torch.zeros(1) if mode == "softplus" else None
     dev = kernel_device()
-    out = gate_cumsum(g.to(dev), gate, None if A_log is None else A_log.to(dev), None, 64).cpu()
+    out = gate_cumsum(g.to(dev), gate, None if A_log is None else A_log.to(dev), None).cpu()
     steps = -torch.diff(torch.cat([torch.zeros(1, 1, 1, 4), out], 1), dim=1) / 24   # in units of the floor
     a = ref.activate_gate(g, A_log) if gate.in_kernel else g.double()
     expected = torch.minimum(-a / (24 * math.log(2.0)), torch.ones(()))

@@ -11,11 +11,12 @@ import torch
 
 from kda_opt import reference as ref
 from kda_opt.intra import intra_chunk
+from kda_opt.options import CHUNK
 from kda_opt.seqs import packed
 from tests.conftest import gpu, kernel_device, rel_err
 from tests.stage_inputs import qk_rstd, stage_inputs
 
-C = 64
+C = CHUNK
 
 
 def run(x, scale, **knobs):
@@ -72,7 +73,7 @@ def run_packed(x, lens, scale, l2norm=False):
     q, k, beta = x["q"], x["k"], x["beta"]
     norms = torch.full((2, q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device) if l2norm else None
     Aqk, Tm = intra_chunk(q, k, gcum, beta, scale, gate_bounded=x["bounded"], l2norm=l2norm,
-                          seqs=packed(cu.to(q.device), sum(lens), C), qk_rstd=norms)
+                          seqs=packed(cu.to(q.device), sum(lens)), qk_rstd=norms)
     if l2norm:
         assert rel_err(norms, qk_rstd(q, k)) < 1e-6
     rq, rk = (ref.l2norm(q), ref.l2norm(k)) if l2norm else (q, k)
@@ -137,7 +138,7 @@ def test_intra_beta_residual(B, seqlens):
     T = 165
     x = stage_inputs(B, T, 1, 64, HV=2, gate="softplus", dtype=torch.bfloat16, device=kernel_device(), seed=17)
     beta = torch.rand(B, T, 2, generator=torch.Generator().manual_seed(3)).to(kernel_device())
-    seqs = None if seqlens is None else packed(torch.tensor([0, *seqlens]).cumsum(0).to(kernel_device()), T, C)
+    seqs = None if seqlens is None else packed(torch.tensor([0, *seqlens]).cumsum(0).to(kernel_device()), T)
     r = torch.full((B, 2, T), float("nan"), device=beta.device)
     intra_chunk(x["q"], x["k"], x["gcum"], beta, 0.125, seqs=seqs, beta_residual=r)
     beta = beta.transpose(1, 2)

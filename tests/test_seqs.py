@@ -4,19 +4,20 @@ import pytest
 import torch
 import triton
 
+from kda_opt.options import CHUNK
 from kda_opt.seqs import BLOCK, packed
 from tests.conftest import kernel_device
 
 
-def host_table(lens, C=64):
+def host_table(lens):
     """(sequence, chunk) for every chunk of every sequence, in order."""
-    return [(n, c) for n, length in enumerate(lens) for c in range(triton.cdiv(length, C))]
+    return [(n, c) for n, length in enumerate(lens) for c in range(triton.cdiv(length, CHUNK))]
 
 
-def table(cu_seqlens, T, C=64):
-    seqs = packed(cu_seqlens.to(kernel_device()), T, C)
+def table(cu_seqlens, T):
+    seqs = packed(cu_seqlens.to(kernel_device()), T)
     rows = [tuple(r) for r in seqs.chunk_indices.cpu().tolist()]
-    assert seqs.chunk_slots == len(rows) == triton.cdiv(T, C) + len(cu_seqlens) - 2   # N − 1 spare
+    assert seqs.chunk_slots == len(rows) == triton.cdiv(T, CHUNK) + len(cu_seqlens) - 2   # N − 1 spare
     return seqs, rows
 
 

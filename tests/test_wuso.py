@@ -56,10 +56,9 @@ def cubin(dtype, K, has_state, store_state, block_v=None, B=1, T=8192, H=96, seq
     N = B if seqs is None else seqs[0]
     gcum = meta(B, T, H, K, dt=torch.float32)
     block_v = block_v or block_v_for(N * H, K, H100_SMS, dtype)
-    _, args = launch_config(q, k, v, gcum, meta(B, T, H, 64), meta(B, T, H, 64), K ** -0.5,
+    _, args = launch_config(q, k, v, gcum, meta(B, T, H, 64), meta(B, T, H, 64), K ** -0.5, block_v,
                             meta(N, H, K, K, dt=state_dtype) if has_state else None, o,
-                            meta(N, H, K, K, dt=torch.float32) if store_state else None, block_v,
-                            cu_seqlens=cu_seqlens, qk_rstd=meta(2, B, H, T, dt=torch.float32) if l2norm else None,
+                            meta(N, H, K, K, dt=torch.float32) if store_state else None, cu_seqlens=cu_seqlens, qk_rstd=meta(2, B, H, T, dt=torch.float32) if l2norm else None,
                             state_v_first=state_v_first,
                             beta_residual=meta(B, H, T, dt=torch.float32) if beta_residual else None)
     signature = KernelSignature([constraint(a) for a in args], CallingConvention.cutile_python_v2())
@@ -183,7 +182,7 @@ def run_poisoned(inputs, h0, block_v=None, cu_seqlens=None, l2norm=False, state_
                                      q.dtype)
     o = torch.full_like(v, float("nan"))
     final = torch.full((N, HV, V, K) if state_v_first else (N, HV, K, V), float("nan"), device=v.device)
-    grid, args = launch_config(*inputs, h0, o, final, block_v, cu_seqlens=cu_seqlens,
+    grid, args = launch_config(*inputs, block_v, h0, o, final, cu_seqlens=cu_seqlens,
                                qk_rstd=qk_rstd(*inputs[:2]).float().contiguous() if l2norm else None,
                                state_v_first=state_v_first, beta_residual=beta_residual)
     ct.launch(torch.cuda.current_stream(), grid, wuso_kernel, args)
@@ -243,13 +242,16 @@ def test_wuso_key_and_value_dims_differ(K, V):
 @gpu
 @pytest.mark.parametrize("with_state", [False, True])
 def test_wuso_launcher(with_state):
-    """The public launcher: output dtypes, its own choice of BV, no final state unless asked."""
+    """The launcher: output dtypes, no final state unless asked, and the kernel compiled with another
+    worker-warp count (a tuning knob) computing the same function."""
     inputs, h0, ref_o, ref_s = stage4_case(3, 130, 2, 4, 128, torch.bfloat16, with_state)
-    o, s = wuso(*inputs, initial_state=h0, output_final_state=True)
+    o, s = wuso(*inputs, 64, initial_state=h0, output_final_state=True)
     assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
     assert rel_err(o, ref_o) < 1e-2 and rel_err(s, ref_s) < 1e-2
-    o_only, none = wuso(*inputs, initial_state=h0)
+    o_only, none = wuso(*inputs, 64, initial_state=h0)
     assert none is None and rel_err(o_only, ref_o) < 1e-2
+    o4, s4 = wuso(*inputs, 64, initial_state=h0, output_final_state=True, worker_warps=4)
+    assert rel_err(o4, ref_o) < 1e-2 and rel_err(s4, ref_s) < 1e-2
 
 
 def packed_case(lens, H, HV, K, with_state, l2norm, seed=0):

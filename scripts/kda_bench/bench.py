@@ -282,12 +282,13 @@ def check_fla(c: Case, fla):
 NOT_RUN = "n/a"  # the FlashKDA columns where it cannot compute the case
 
 
-def benchmark(c: Case, fla, warmup, rep, ceilings):
+def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
     """Median ms of FLA, FlashKDA (where it runs) and kda_forward on the same inputs, alternating, and
     of kda_forward without the initial state where the case has one (what the state costs us);
-    returns a CSV row."""
+    returns a CSV row. kda_forward: kda_opt's, unless given."""
     from triton.testing import do_bench
-    from kda_opt import kda_forward
+    if kda_forward is None:
+        from kda_opt import kda_forward
     args = c.inputs()
     runs = {"fla": lambda: fla(**args), "kda_opt": lambda: kda_forward(**args)}
     if c.initial_state:

@@ -1,0 +1,223 @@
+"""The plan of one kda_forward call: the arguments validated once and resolved, with every launch
+decision, into one frozen value that kda_opt/forward runs; each stage takes the parts it needs.
+
+    plan = make_plan(q, k, v, g, beta, ...)    TypeError / ValueError / RuntimeError naming the
+                                               argument, before any kernel runs
+    what the options mean                      gate, scale, l2norm, beta_sigmoid, beta_residual, ...
+    how the stages launch                      block_v, segments, intra_warps, worker_warps
+Tuning holds the launch knobs; kda_forward takes its defaults, tests and scripts/bench_stages.py pass
+others. Absent inputs are None in every signature of the package (the cuTile launch alone swaps in a
+stand-in, as cuTile takes arrays only: kda_opt/wuso).
+
+Time segments. Stage 4 runs one program per (sequence, value head, V block) through the whole
+sequence, so where B·H is small most SMs idle through it ((1, 65536, 16): 64 programs on 132 SMs).
+There a lone sequence is cut at chunk boundaries into segments (time_segments) that kda_opt/forward
+overlaps: stages 1–3 of segment s + 1 beside stage 4 of segment s.
+"""
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from .intra import NUM_WARPS
+from .options import CHUNK, GateConfig
+from .wuso import WORKER_WARPS, block_v_for
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # q, k, v; and the initial state
+SUPPORTED_HEAD_DIMS = (64, 128)  # K and V each; FLA also takes 256, which stage 2's registers cannot hold
+SAFE_LOWER_BOUND = (-5.0, 0.0)  # the range in which safe_gate keeps in-chunk exponents bounded
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Launch knobs, each with the default kda_forward uses."""
+    segment_tokens: int = 8192    # time segments: at least this many tokens each (shorter ones
+    max_segments: int = 8         # measured slower: each adds a launch and a state hand-over); 1: off
+    block_v: int | None = None    # stage 4's V block; None: block_v_for's choice
+    intra_warps: int = NUM_WARPS  # stages 2+3's warps
+    worker_warps: int = WORKER_WARPS  # stage 4's worker warps
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One call, resolved. Shapes: q, k [B, T, H, K], v [B, T, HV, V]; N sequences (B, or packed)."""
+    B: int
+    T: int
+    H: int
+    K: int
+    HV: int
+    V: int
+    N: int
+    dtype: torch.dtype            # q, k and v's
+    scale: float
+    gate: GateConfig
+    l2norm: bool                  # q and k L2-normalised as they are read
+    beta_sigmoid: float | None    # β = beta_sigmoid · sigmoid(beta) (1, or 2: allow_neg_eigval); None: beta is β
+    beta_residual: bool           # stage 2 writes β − round(β) for stage 4 (kda_opt/intra, "β's residual")
+    initial_state: bool
+    output_final_state: bool
+    state_v_first: bool           # states [N, HV, V, K]
+    packed: bool                  # cu_seqlens given
+    block_v: int                  # stage 4's V columns per program
+    segments: tuple[tuple[int, int], ...]  # token ranges run one after another (time segments)
+    intra_warps: int
+    worker_warps: int
+
+
+def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, *,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+              allow_neg_eigval=False, A_log=None, dt_bias=None, safe_gate=False, lower_bound=None,
+              state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_size=CHUNK,
+              transpose_state_layout=None, tuning: Tuning = Tuning()) -> Plan:
+    """kda_forward's arguments (its docstring says what each means) checked and resolved into a Plan."""
+    if transpose_state_layout is not None:
+        if state_v_first:
+            raise ValueError("pass state_v_first or its deprecated name transpose_state_layout, not both")
+        warnings.warn("transpose_state_layout is deprecated; its name is now state_v_first",
+                      DeprecationWarning, stacklevel=3)
+        state_v_first = bool(transpose_state_layout)
+    N = _validate(q, k, v, g, beta, initial_state, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+                  dt_bias=dt_bias, safe_gate=safe_gate, lower_bound=lower_bound,
+                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                  state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                  chunk_size=chunk_size)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    block_v = tuning.block_v or block_v_for(N * HV, V, sms, q.dtype)
+    return Plan(
+        B=B, T=T, H=H, K=K, HV=HV, V=V, N=N, dtype=q.dtype,
+        scale=K ** -0.5 if scale is None else float(scale),
+        gate=GateConfig(in_kernel=use_gate_in_kernel, lower_bound=lower_bound, safe_gate=safe_gate),
+        l2norm=use_qk_l2norm_in_kernel,
+        beta_sigmoid=(2.0 if allow_neg_eigval else 1.0) if use_beta_sigmoid_in_kernel else None,
+        # Tm (k's dtype) holds β on its diagonal: where β is not a number of that dtype, stage 4 adds
+        # back what its rounding lost.
+        beta_residual=k.dtype != torch.float32 and (use_beta_sigmoid_in_kernel or beta.dtype != k.dtype),
+        initial_state=initial_state is not None, output_final_state=output_final_state,
+        state_v_first=state_v_first, packed=cu_seqlens is not None, block_v=block_v,
+        segments=time_segments(T, N, N * HV * (V // block_v), sms, cu_seqlens is not None, tuning.segment_tokens,
+                               tuning.max_segments),
+        intra_warps=tuning.intra_warps, worker_warps=tuning.worker_warps,
+    )
+
+
+def time_segments(T: int, N: int, programs: int, sms: int, is_packed: bool, segment_tokens: int,
+                  max_segments: int) -> tuple[tuple[int, int], ...]:
+    """((t0, t1), ...): the token ranges the forward runs as segments (module docstring), at least
+    segment_tokens each and at most max_segments, each a whole number of chunks but the last; ((0,
+    T),) where cutting does not pay: several or packed sequences, stage 4's programs filling more
+    than half the SMs, or T below two segments."""
+    if max_segments < 2 or is_packed or N != 1 or 2 * programs > sms or T < 2 * segment_tokens:
+        return ((0, T),)
+    count = min(max_segments, T // segment_tokens)
+    step = -(-T // (count * CHUNK)) * CHUNK
+    return tuple((t0, min(t0 + step, T)) for t0 in range(0, T, step))
+
+
+def _validate(q, k, v, g, beta, initial_state, *, use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound,
+              use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, cu_seqlens_cpu,
+              chunk_size) -> int:
+    """Checks every argument's type, shape, dtype and device; returns N, the number of sequences."""
+    named = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+    optional = {"initial_state": initial_state, "A_log": A_log, "dt_bias": dt_bias}
+    for name, x in {**named, **{n: x for n, x in optional.items() if x is not None}}.items():
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    if torch.is_grad_enabled():
+        wants_grad = [n for n, x in {**named, **optional}.items() if x is not None and x.requires_grad]
+        if wants_grad:
+            raise RuntimeError(f"kda_forward is forward-only and computes no gradient, but {', '.join(wants_grad)} "
+                               "require grad: call it under torch.no_grad() or torch.inference_mode(), or detach them")
+    for name, ndim in (("q", 4), ("k", 4), ("v", 4), ("g", 4), ("beta", 3)):
+        if named[name].dim() != ndim:
+            raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(named[name].shape)}")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    expected = {"k": (B, T, H, K), "v": (B, T, HV, V), "g": (B, T, HV, K), "beta": (B, T, HV)}
+    for name, shape in expected.items():
+        if tuple(named[name].shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)} (from q {list(q.shape)} and v "
+                             f"{list(v.shape)}), got {list(named[name].shape)}")
+    if B < 1 or T < 1 or H < 1:
+        raise ValueError(f"q must have B, T, H ≥ 1, got shape {list(q.shape)}")
+    if HV % H != 0 or HV < 1:
+        raise ValueError(f"v's head count ({HV}) must be a positive multiple of q's ({H})")
+    if K not in SUPPORTED_HEAD_DIMS or V not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dims K (q, k) and V (v) must each be one of {SUPPORTED_HEAD_DIMS} "
+                         f"(FLA also takes 256; kda_opt does not), got K={K}, V={V}")
+    for name in ("q", "k", "v"):
+        if named[name].dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must be bfloat16, float16 or float32, got {named[name].dtype}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    N = B if cu_seqlens is None and cu_seqlens_cpu is None else _validate_seqlens(cu_seqlens, cu_seqlens_cpu, B, T)
+    state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
+    if initial_state is not None and tuple(initial_state.shape) != state_shape:
+        raise ValueError(f"initial_state must have shape {list(state_shape)} (N = "
+                         f"{'B' if cu_seqlens is None else 'the number of sequences'}"
+                         f"{', V before K: state_v_first' if state_v_first else ''}), "
+                         f"got {list(initial_state.shape)}")
+    if initial_state is not None and initial_state.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"initial_state must be float32, bfloat16 or float16, got {initial_state.dtype}")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("allow_neg_eigval=True scales sigmoid(beta) to (0, 2): it needs "
+                         "use_beta_sigmoid_in_kernel=True (beta given as logits)")
+    if chunk_size != CHUNK:
+        raise ValueError(f"chunk_size must be {CHUNK} (the only size kda_opt computes), got {chunk_size}")
+
+    if use_gate_in_kernel:
+        if A_log is None and lower_bound is None:
+            raise ValueError("use_gate_in_kernel=True needs A_log (softplus gate) or lower_bound "
+                             "(sigmoid gate); got neither")
+        if A_log is not None and A_log.numel() != HV:
+            raise ValueError(f"A_log must have {HV} elements (one per value head), got shape "
+                             f"{list(A_log.shape)}")
+        if dt_bias is not None and dt_bias.numel() != HV * K:
+            raise ValueError(f"dt_bias must have HV·K = {HV * K} elements, got shape {list(dt_bias.shape)}")
+        if safe_gate and lower_bound is None:
+            raise ValueError("safe_gate=True with use_gate_in_kernel=True needs lower_bound")
+    elif A_log is not None or dt_bias is not None:
+        raise ValueError("A_log and dt_bias are used only with use_gate_in_kernel=True")
+    if safe_gate and lower_bound is not None and not SAFE_LOWER_BOUND[0] <= lower_bound < SAFE_LOWER_BOUND[1]:
+        raise ValueError(f"safe_gate needs lower_bound in [{SAFE_LOWER_BOUND[0]}, {SAFE_LOWER_BOUND[1]}), "
+                         f"got {lower_bound}")
+
+    device = q.device
+    if device.type != "cuda":
+        raise ValueError(f"q must be on a CUDA device, got {device}")
+    for name, x in {**named, **optional, "cu_seqlens": cu_seqlens}.items():
+        if x is not None and x.device != device:
+            raise ValueError(f"{name} must be on {device} like q, got {x.device}")
+    return N
+
+
+def _validate_seqlens(cu_seqlens, cu_seqlens_cpu, B, T) -> int:
+    """Checks cu_seqlens' type, dtype and shape, and cu_seqlens_cpu's values when given; returns N."""
+    if cu_seqlens is None:
+        raise ValueError("cu_seqlens_cpu is given without cu_seqlens (the device copy the kernels read)")
+    for name, x in (("cu_seqlens", cu_seqlens), ("cu_seqlens_cpu", cu_seqlens_cpu)):
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be int32 or int64, got {x.dtype}")
+        if x.dim() != 1 or x.shape[0] < 2:
+            raise ValueError(f"{name} must have shape [N + 1] with N ≥ 1, got {list(x.shape)}")
+    if B != 1:
+        raise ValueError(f"with cu_seqlens the sequences are packed along T: q's batch size must be 1, "
+                         f"got B={B}")
+    if cu_seqlens_cpu is not None:
+        if cu_seqlens_cpu.device.type != "cpu":
+            raise ValueError(f"cu_seqlens_cpu must be on the CPU, got {cu_seqlens_cpu.device}")
+        if cu_seqlens_cpu.shape != cu_seqlens.shape:
+            raise ValueError(f"cu_seqlens_cpu must have cu_seqlens' shape {list(cu_seqlens.shape)}, "
+                             f"got {list(cu_seqlens_cpu.shape)}")
+        lens = cu_seqlens_cpu.diff()
+        if cu_seqlens_cpu[0] != 0 or cu_seqlens_cpu[-1] != T or (lens < 0).any():
+            raise ValueError(f"cu_seqlens_cpu must rise from 0 to T={T}, got {cu_seqlens_cpu.tolist()[:8]}"
+                             f"{' ...' if len(cu_seqlens_cpu) > 8 else ''}")
+    return cu_seqlens.shape[0] - 1

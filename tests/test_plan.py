@@ -1,0 +1,179 @@
+"""The plan (kda_opt/plan): every bad input raises before any kernel runs (CPU: all shape, dtype and
+option checks precede the device check), the launch decisions as pure functions (CPU), and on the GPU
+what make_plan resolves for the calls users make."""
+import pytest
+import torch
+
+from kda_bench.inputs import random_inputs
+from kda_opt import kda_forward
+from kda_opt.plan import Tuning, make_plan, time_segments
+from tests.conftest import gpu
+
+PER_TOKEN = ("q", "k", "v", "g", "beta")  # kda_forward's arguments with a row per token
+
+
+# ---- validation: every bad input raises before any kernel runs (these run on CPU tensors, since
+# all shape/dtype/option checks precede the device check) ----
+
+def cpu_args(**over):
+    args = random_inputs(1, 8, 2, 64, device="cpu", dtype=torch.float32)
+    args.update(over)
+    return args
+
+
+BAD_INPUTS = {
+    "q not a tensor": (TypeError, "q", dict(q=[1.0])),
+    "q integer": (TypeError, "q", dict(q=torch.ones(1, 8, 2, 64, dtype=torch.int32))),
+    "q 3-D": (ValueError, "q", dict(q=torch.randn(8, 2, 64))),
+    "k shape": (ValueError, "k", dict(k=torch.randn(1, 8, 2, 32))),
+    "v batch": (ValueError, "v", dict(v=torch.randn(2, 8, 2, 64))),
+    "g shape": (ValueError, "g", dict(g=torch.randn(1, 8, 2, 32))),
+    "beta shape": (ValueError, "beta", dict(beta=torch.rand(1, 8, 3))),
+    "HV not multiple of H": (ValueError, "head count", dict(v=torch.randn(1, 8, 3, 64), g=torch.randn(1, 8, 3, 64),
+                                                           beta=torch.rand(1, 8, 3), A_log=torch.randn(3),
+                                                           dt_bias=torch.randn(3 * 64))),
+    "head dim 96": (ValueError, "head dims", dict(q=torch.randn(1, 8, 2, 96), k=torch.randn(1, 8, 2, 96),
+                                                  g=torch.randn(1, 8, 2, 96), dt_bias=torch.randn(2 * 96))),
+    "dtype float64": (TypeError, "q", dict(q=torch.randn(1, 8, 2, 64, dtype=torch.float64))),
+    "mixed dtypes": (TypeError, "share one dtype", dict(v=torch.randn(1, 8, 2, 64, dtype=torch.bfloat16))),
+    "initial_state shape": (ValueError, "initial_state", dict(initial_state=torch.zeros(1, 2, 64, 32))),
+    "chunk_size 32": (ValueError, "chunk_size", dict(chunk_size=32)),
+    "gate in kernel, no A_log nor lower_bound": (ValueError, "A_log", dict(lower_bound=None, safe_gate=False, A_log=None)),
+    "safe_gate in kernel without lower_bound": (ValueError, "lower_bound", dict(lower_bound=None)),
+    "safe_gate lower_bound out of range": (ValueError, "lower_bound", dict(lower_bound=-6.0)),
+    "A_log wrong size": (ValueError, "A_log", dict(A_log=torch.randn(3))),
+    "dt_bias wrong size": (ValueError, "dt_bias", dict(dt_bias=torch.randn(64))),
+    "A_log without gate in kernel": (ValueError, "A_log", dict(use_gate_in_kernel=False)),
+    "head dim 256": (ValueError, "256", dict(q=torch.randn(1, 8, 2, 256), k=torch.randn(1, 8, 2, 256),
+                                             g=torch.randn(1, 8, 2, 256), dt_bias=torch.randn(2 * 256))),
+    "cu_seqlens float": (TypeError, "cu_seqlens", dict(cu_seqlens=torch.tensor([0.0, 8.0]))),
+    "cu_seqlens not a tensor": (TypeError, "cu_seqlens", dict(cu_seqlens=[0, 8])),
+    "cu_seqlens 2-D": (ValueError, "cu_seqlens", dict(cu_seqlens=torch.tensor([[0, 8]]))),
+    "cu_seqlens one entry": (ValueError, "cu_seqlens", dict(cu_seqlens=torch.tensor([0]))),
+    "cu_seqlens with B > 1": (ValueError, "batch size must be 1", dict(
+        cu_seqlens=torch.tensor([0, 8]), **{n: torch.cat([x, x]) for n, x in cpu_args().items()
+                                             if n in PER_TOKEN})),
+    "initial_state for B, not N": (ValueError, "initial_state", dict(
+        cu_seqlens=torch.tensor([0, 3, 8]), initial_state=torch.zeros(1, 2, 64, 64))),
+    "cu_seqlens_cpu alone": (ValueError, "cu_seqlens_cpu", dict(cu_seqlens_cpu=torch.tensor([0, 8]))),
+    "cu_seqlens_cpu falls": (ValueError, "cu_seqlens_cpu", dict(
+        cu_seqlens=torch.tensor([0, 5, 3, 8]), cu_seqlens_cpu=torch.tensor([0, 5, 3, 8]))),
+    "cu_seqlens_cpu short of T": (ValueError, "cu_seqlens_cpu", dict(
+        cu_seqlens=torch.tensor([0, 5, 7]), cu_seqlens_cpu=torch.tensor([0, 5, 7]))),
+    "cu_seqlens_cpu other length": (ValueError, "cu_seqlens_cpu", dict(
+        cu_seqlens=torch.tensor([0, 5, 8]), cu_seqlens_cpu=torch.tensor([0, 8]))),
+    "allow_neg_eigval without beta logits": (ValueError, "use_beta_sigmoid_in_kernel", dict(allow_neg_eigval=True)),
+    "state_v_first and transpose_state_layout": (ValueError, "transpose_state_layout", dict(
+        state_v_first=True, transpose_state_layout=True)),
+    "initial_state float64": (TypeError, "initial_state", dict(initial_state=torch.zeros(1, 2, 64, 64, dtype=torch.float64))),
+    "initial_state K-first with state_v_first": (ValueError, "state_v_first", dict(
+        state_v_first=True, v=torch.randn(1, 8, 2, 128), initial_state=torch.zeros(1, 2, 64, 128))),
+    "CPU tensors": (ValueError, "CUDA", dict()),
+    "q requires grad": (RuntimeError, "forward-only.*q require grad", dict(q=torch.randn(1, 8, 2, 64, requires_grad=True))),
+    "A_log a parameter": (RuntimeError, "A_log require grad", dict(A_log=torch.nn.Parameter(torch.randn(2)))),
+}
+
+
+def test_requires_grad_is_fine_without_autograd():
+    """Under no_grad (as a served model runs) parameters that require grad pass validation (the CPU
+    tensors then stop the call)."""
+    with torch.no_grad(), pytest.raises(ValueError, match="CUDA"):
+        kda_forward(**cpu_args(A_log=torch.nn.Parameter(torch.randn(2))))
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_raises(case):
+    exc, words, over = BAD_INPUTS[case]
+    with pytest.raises(exc, match=words):
+        kda_forward(**cpu_args(**over))
+
+
+def test_transpose_state_layout_is_deprecated():
+    """FLA's old name still works, with a DeprecationWarning (the CPU tensors then stop the call)."""
+    with pytest.warns(DeprecationWarning, match="state_v_first"), pytest.raises(ValueError, match="CUDA"):
+        kda_forward(**cpu_args(transpose_state_layout=True))
+
+
+def test_options_after_output_final_state_are_keyword_only():
+    """FLA's positional order differs past output_final_state: a positional call must not be taken
+    for another option."""
+    a = cpu_args()
+    with pytest.raises(TypeError):
+        kda_forward(a["q"], a["k"], a["v"], a["g"], a["beta"], None, None, True, True)
+
+
+@gpu
+@pytest.mark.parametrize("name", ["beta", "cu_seqlens"])
+def test_device_mismatch_raises(name):
+    args = random_inputs(1, 8, 2, 64, seqlens=[3, 5])
+    args[name] = args[name].cpu()
+    with pytest.raises(ValueError, match=name):
+        kda_forward(**args)
+
+
+def test_time_segments():
+    """Where a lone sequence is cut into time segments (kda_opt/plan), and how."""
+    cut = lambda T, N=1, programs=64, is_packed=False, tokens=8192, count=8: time_segments(
+        T, N, programs, 132, is_packed, tokens, count)
+    assert cut(65536) == tuple((t, t + 8192) for t in range(0, 65536, 8192))
+    assert cut(20000) == ((0, 10048), (10048, 20000))
+    assert cut(65536, programs=67) == ((0, 65536),)     # stage 4 fills half the SMs
+    assert cut(65536, N=2) == ((0, 65536),)             # several sequences
+    assert cut(65536, is_packed=True) == ((0, 65536),)  # packed
+    assert cut(16383) == ((0, 16383),)                  # under two segments
+    assert cut(65536, count=1) == ((0, 65536),)         # off
+    assert cut(1000, tokens=128) == ((0, 192), (192, 384), (384, 576), (576, 768), (768, 960), (960, 1000))
+    for T in range(16384, 200_000, 997):
+        segs = cut(T, programs=32)
+        assert 2 <= len(segs) <= 8 and segs[0][0] == 0 and segs[-1][1] == T
+        assert all(a1 == b0 and b0 % 64 == 0 and b0 - a0 >= 64 for (a0, b0), (a1, _) in zip(segs, segs[1:]))
+
+
+# ---- GPU: what the plan resolves ----
+
+@gpu
+def test_plan_of_the_default_call():
+    """The benchmark's default call (safe gate in kernel, bf16, a state): one pass, stage 4's widest
+    V block (96 programs fill one wave), β a bf16 number (no residual), the default scale."""
+    plan = make_plan(**random_inputs(1, 8192, 96, 128, initial_state=True))
+    assert (plan.B, plan.T, plan.H, plan.K, plan.HV, plan.V, plan.N) == (1, 8192, 96, 128, 96, 128, 1)
+    assert plan.segments == ((0, 8192),) and plan.block_v == 128 and not plan.packed
+    assert plan.gate.in_kernel and plan.gate.bounded and plan.scale == 128 ** -0.5
+    assert plan.initial_state and plan.output_final_state and not plan.state_v_first
+    assert not plan.beta_residual and not plan.l2norm and plan.beta_sigmoid is None
+    assert (plan.intra_warps, plan.worker_warps) == (Tuning().intra_warps, Tuning().worker_warps)
+
+
+@gpu
+def test_plan_of_flashkda_configuration():
+    """l2norm, β logits (so a residual for stage 4), V-first states; and with allow_neg_eigval β's
+    sigmoid doubled."""
+    args = random_inputs(1, 300, 2, 128, l2norm=True, beta_logits=True, state_v_first=True, initial_state=True)
+    plan = make_plan(**args)
+    assert plan.l2norm and plan.beta_sigmoid == 1.0 and plan.beta_residual and plan.state_v_first
+    assert make_plan(**args, allow_neg_eigval=True).beta_sigmoid == 2.0
+
+
+@gpu
+@pytest.mark.parametrize("beta_dtype,k_dtype,residual", [(torch.float32, torch.bfloat16, True),
+                                                         (torch.bfloat16, torch.bfloat16, False),
+                                                         (torch.float32, torch.float32, False)])
+def test_plan_beta_residual_where_beta_is_not_a_number_of_k_dtype(beta_dtype, k_dtype, residual):
+    args = random_inputs(1, 64, 2, 64, dtype=k_dtype)
+    args["beta"] = args["beta"].to(beta_dtype)
+    assert make_plan(**args).beta_residual == residual
+
+
+@gpu
+def test_plan_time_segments_and_block_v():
+    """A long lone sequence with few heads is cut into segments and takes stage 4's narrowest V
+    block; packed sequences never are; the tuning knobs are taken as given."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    plan = make_plan(**random_inputs(1, 65536, 16, 128, initial_state=True))
+    assert plan.block_v == 32 and plan.segments == time_segments(65536, 1, 16 * 4, sms, False, 8192, 8)
+    assert len(plan.segments) == 8
+    packed = make_plan(**random_inputs(1, 65536, 16, 128, seqlens=[30000, 35536]))
+    assert packed.packed and packed.N == 2 and packed.segments == ((0, 65536),)
+    tuned = make_plan(**random_inputs(1, 1000, 2, 128), tuning=Tuning(segment_tokens=128, block_v=64,
+                                                                       intra_warps=2, worker_warps=4))
+    assert tuned.block_v == 64 and len(tuned.segments) == 6 and (tuned.intra_warps, tuned.worker_warps) == (2, 4)
