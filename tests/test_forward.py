@@ -5,14 +5,13 @@ import itertools
 import pytest
 import torch
 
-from kda_bench.inputs import GATE_MODES, ill_conditioned_inputs, random_inputs
+from kda_bench.inputs import GATE_MODES, PER_TOKEN, ill_conditioned_inputs, random_inputs
 from kda_opt import kda_forward, reference
 from kda_opt.forward import RUN_TENSORS, run
 from kda_opt.plan import Tuning, make_plan
 from kda_opt.reference import ERROR_FLOOR, error_bound, reference_forward
 from tests.conftest import gpu, rel_err
 
-PER_TOKEN = ("q", "k", "v", "g", "beta")  # kda_forward's arguments with a row per token
 
 
 def run_tuned(args, tuning, launch=None):

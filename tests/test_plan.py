@@ -4,12 +4,10 @@ what make_plan resolves for the calls users make."""
 import pytest
 import torch
 
-from kda_bench.inputs import random_inputs
+from kda_bench.inputs import PER_TOKEN, random_inputs
 from kda_opt import kda_forward
 from kda_opt.plan import Tuning, make_plan, time_segments
 from tests.conftest import gpu
-
-PER_TOKEN = ("q", "k", "v", "g", "beta")  # kda_forward's arguments with a row per token
 
 
 # ---- validation: every bad input raises before any kernel runs (these run on CPU tensors, since

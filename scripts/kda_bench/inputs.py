@@ -17,6 +17,8 @@ GATE_MODES = {
 #            order 1–10 in the fastest channels with the softplus gate), or
 #   "layer": softplus⁻¹(U(0.001, 0.1)), as the layer initialises it (slow decay).
 DECAYS = ("fast", "layer")
+# kda_forward's arguments with a row per token.
+PER_TOKEN = ("q", "k", "v", "g", "beta")
 
 
 def random_inputs(B, T, H, K, V=None, HV=None, gate="safe", dtype=torch.bfloat16, device="cuda",
