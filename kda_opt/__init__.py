@@ -3,6 +3,7 @@
 `kda_forward` is the entry point (same arguments and function as FLA 0.6.0's `chunk_kda`);
 `kda_opt.reference` holds the float64 truth every stage is tested against.
 """
+from . import op  # noqa: F401  registers torch.ops.kda_opt.forward, kda_forward's form under torch.compile
 from .forward import kda_forward
 
 __all__ = ["kda_forward"]

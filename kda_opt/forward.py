@@ -116,7 +116,16 @@ def kda_forward(
     contiguous (a copy). Bad inputs raise ValueError or TypeError naming the argument before any
     kernel runs. No host-device synchronisation. kda_opt.plan.make_plan(...) takes the same
     arguments and returns the call's resolved options and launch choices without running it.
+
+    Under torch.compile it is one custom op, ``torch.ops.kda_opt.forward`` (kda_opt/op), which runs
+    this function when the compiled graph runs: the same numbers; cu_seqlens_cpu is not read there.
     """
+    if torch.compiler.is_compiling():
+        o, final = torch.ops.kda_opt.forward(
+            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+            use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias, safe_gate,
+            lower_bound, state_v_first, cu_seqlens, chunk_size, transpose_state_layout)
+        return o, final if output_final_state else None
     plan = make_plan(q, k, v, g, beta, scale, initial_state, output_final_state,
                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                      use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
