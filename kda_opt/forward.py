@@ -163,12 +163,19 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
                                state_v_first=plan.state_v_first, worker_warps=plan.worker_warps)
     with nvtx.annotate("kda_opt/forward", domain="kda_opt"):
         seqs = launch("seqs", packed, cu_seqlens, plan.T) if plan.packed else None
+        final = _final_state(plan, v) if plan.output_final_state else None
         if len(plan.segments) == 1:
             gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, seqs)
-            return stage4(q, k, v, gcum, Tm, Aqk, initial_state=initial_state,
-                          output_final_state=plan.output_final_state, cu_seqlens=cu_seqlens, qk_rstd=rstd,
-                          beta_residual=r)
-        return _pipelined(plan, q, k, v, g, beta, initial_state, prepare, stage4)
+            o = stage4(q, k, v, gcum, Tm, Aqk, initial_state=initial_state, final_state=final, cu_seqlens=cu_seqlens,
+                       qk_rstd=rstd, beta_residual=r)
+            return o, final
+        return _pipelined(plan, q, k, v, g, beta, initial_state, final, prepare, stage4)
+
+
+def _final_state(plan: Plan, like: torch.Tensor) -> torch.Tensor:
+    """An fp32 state for each of the plan's sequences, in its layout."""
+    shape = (plan.N, plan.HV, plan.V, plan.K) if plan.state_v_first else (plan.N, plan.HV, plan.K, plan.V)
+    return like.new_empty(shape, dtype=torch.float32)
 
 
 def _stages_1_to_3(plan: Plan, launch, q, k, g, beta, seqs=None, *, A_log, dt_bias):
@@ -190,14 +197,15 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-def _pipelined(plan: Plan, q, k, v, g, beta, initial_state, prepare, stage4):
+def _pipelined(plan: Plan, q, k, v, g, beta, initial_state, final, prepare, stage4):
     """The forward over plan.segments of one sequence (B = 1): stages 1–3 of each segment on a side
-    stream, stage 4 on the caller's, which waits for them; the state handed on in fp32."""
+    stream, stage 4 on the caller's, which waits for them; the state handed on in fp32 (two buffers
+    in turn), the last segment's written into `final` (or nowhere)."""
     main = torch.cuda.current_stream(q.device)
     side = _side_stream(q.device)
     side.wait_stream(main)                      # q, k, v, g, beta as the caller's stream left them
     o = torch.empty_like(v)
-    state = initial_state
+    state, handed = initial_state, [_final_state(plan, v), _final_state(plan, v)]
     for i, (t0, t1) in enumerate(plan.segments):
         part = lambda x: x[:, t0:t1]            # B = 1: a contiguous view
         with torch.cuda.stream(side):
@@ -208,8 +216,8 @@ def _pipelined(plan: Plan, q, k, v, g, beta, initial_state, prepare, stage4):
                 x.record_stream(main)           # allocated on the side stream, read on the caller's
         main.wait_event(ready)
         gcum, Aqk, Tm, r, rstd = made
-        last = i == len(plan.segments) - 1
-        _, state = stage4(part(q), part(k), part(v), gcum, Tm, Aqk, initial_state=state,
-                          output_final_state=plan.output_final_state or not last, qk_rstd=rstd,
-                          beta_residual=r, out=part(o))
-    return o, state
+        out_state = final if i == len(plan.segments) - 1 else handed[i % 2]
+        stage4(part(q), part(k), part(v), gcum, Tm, Aqk, initial_state=state, final_state=out_state, qk_rstd=rstd,
+               beta_residual=r, out=part(o))
+        state = out_state
+    return o, final

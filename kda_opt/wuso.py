@@ -43,10 +43,10 @@ WORKER_WARPS = 8
 # (fla/ops/kda/wy_fast.py), chunk_gated_delta_rule_fwd_h (fla/ops/common/chunk_delta_h.py) and
 # chunk_gla_fwd_o_gk (fla/ops/gla/chunk.py); S never leaves the chip and W, U never exist.
 @ct.kernel(num_worker_warps=WORKER_WARPS)
-def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, scale: float,
+def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, SLOTS, MASK, scale: float,
                 K: ConstInt, BV: ConstInt, C: ConstInt, HAS_S0: ConstBool, STORE_SF: ConstBool,
                 SPLIT_V: ConstBool, PACKED: ConstBool, L2NORM: ConstBool, V_FIRST: ConstBool,
-                BETA_RESIDUAL: ConstBool):
+                BETA_RESIDUAL: ConstBool, READ_SLOTS: ConstBool, WRITE_SLOTS: ConstBool, HAS_MASK: ConstBool):
     i_v, i_nh = ct.bid(0), ct.bid(1)
     H, HV = Q.shape[2], Vx.shape[2]
     i_n, i_hv = i_nh // HV, i_nh % HV                         # sequence, value head
@@ -76,7 +76,21 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, scale: float,
         i_b = 0
     T = Q.shape[1]
     dt = Q.dtype                                              # mma operand dtype; fp32 stays fp32
-    # States [N, HV, K, V], or [N, HV, V, K] (V_FIRST): the tiles are [K, BV] either way.
+    # States [N, HV, K, V], or [N, HV, V, K] (V_FIRST): the tiles are [K, BV] either way. In a state
+    # pool (READ_SLOTS / WRITE_SLOTS) sequence i_n's row is SLOTS[i_n]; a slot outside the pool reads
+    # zeros and is not written (a store outside an array is dropped: the row past the last stands in
+    # for it, as a branch around the store costs the warp-specialised schedule). With HAS_MASK a
+    # sequence whose MASK entry is false starts from zeros (its final state is written).
+    s_in, s_out, use_s0 = i_n, i_n, True
+    if READ_SLOTS or WRITE_SLOTS:
+        slot = ct.load(SLOTS, index=(i_n,), shape=(1,)).astype(ct.int32).item()
+        if READ_SLOTS:
+            use_s0 = (slot >= 0) & (slot < S0.shape[0])
+            s_in = min(max(slot, 0), S0.shape[0] - 1)
+        if WRITE_SLOTS:
+            s_out = ct.where((slot >= 0) & (slot < SF.shape[0]), slot, SF.shape[0])
+    if HAS_MASK:
+        use_s0 = use_s0 & ct.load(MASK, index=(i_n,), shape=(1,)).item()
     state_order = (0, 1, 3, 2) if V_FIRST else (0, 1, 2, 3)
     # S0 joins S inside the first iteration, not before the loop: loaded there, its tile gave the
     # loop-carried S another layout, and the compiler then dropped the warp-specialised pipeline
@@ -86,7 +100,7 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, scale: float,
     for i_t in range(ct.cdiv(T, C)):
         if HAS_S0:
             if i_t == 0:
-                S = S + _initial_state(S0, i_n, i_hv, i_v, K, BV, V_FIRST)
+                S = S + _initial_state(S0, s_in, use_s0, i_hv, i_v, K, BV, V_FIRST, READ_SLOTS or HAS_MASK)
         # Rows past T (tail chunk) load as zeros, so they add nothing; the O store drops them.
         q = ct.load(Q, index=(i_b, i_t, i_h, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
         k = ct.load(Kx, index=(i_b, i_t, i_h, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
@@ -134,17 +148,20 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, scale: float,
         S = ct.mma(k_dec_t.astype(dt), v_new, S * ct.exp2(g_last_t, flush_to_zero=True))     # [K, BV]
     if HAS_S0:
         if T == 0:                                            # an empty packed sequence keeps its state
-            S = _initial_state(S0, i_n, i_hv, i_v, K, BV, V_FIRST)
+            S = _initial_state(S0, s_in, use_s0, i_hv, i_v, K, BV, V_FIRST, READ_SLOTS or HAS_MASK)
     if STORE_SF:
-        ct.store(SF, index=(i_n, i_hv, 0, i_v), tile=S.reshape((1, 1, K, BV)), order=state_order)
+        ct.store(SF, index=(s_out, i_hv, 0, i_v), tile=S.astype(SF.dtype).reshape((1, 1, K, BV)), order=state_order)
 
 
 @ct.function
-def _initial_state(S0, i_n, i_hv, i_v, K: ConstInt, BV: ConstInt, V_FIRST: ConstBool):
-    """S0's [K, BV] tile of (sequence i_n, value head i_hv, V block i_v) in fp32, from [N, HV, K, V]
-    or [N, HV, V, K] (V_FIRST)."""
+def _initial_state(S0, row, use, i_hv, i_v, K: ConstInt, BV: ConstInt, V_FIRST: ConstBool, CHECKED: ConstBool):
+    """S0's [K, BV] tile of (state row, value head i_hv, V block i_v) in fp32, from [N, HV, K, V]
+    or [N, HV, V, K] (V_FIRST); if CHECKED, zeros where not `use` (whatever the row holds, NaN too)."""
     order = (0, 1, 3, 2) if V_FIRST else (0, 1, 2, 3)
-    return ct.load(S0, index=(i_n, i_hv, 0, i_v), shape=(1, 1, K, BV), order=order).reshape((K, BV)).astype(F32)
+    tile = ct.load(S0, index=(row, i_hv, 0, i_v), shape=(1, 1, K, BV), order=order).reshape((K, BV)).astype(F32)
+    if CHECKED:
+        tile = ct.where(use, tile, 0.0)
+    return tile
 
 
 def block_v_for(programs: int, V: int, sms: int, dtype: torch.dtype) -> int:
@@ -173,38 +190,38 @@ def _kernel(worker_warps: int):
 
 
 def launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, final_state, cu_seqlens=None,
-                  qk_rstd=None, state_v_first=False, beta_residual=None):
+                  qk_rstd=None, state_v_first=False, beta_residual=None, slots=None, read_slots=False,
+                  write_slots=False, has_initial_state=None):
     """(grid, kernel arguments) of one launch: the one place both the launcher and the export test
     (tests/test_wuso.py, on meta tensors) take the kernel's specialisation from."""
     B, _, HV, V = v.shape
     given = lambda x, ndim, dtype=torch.float32: _stand_in(v.device, ndim, dtype) if x is None else x
     args = (q, k, v, gcum, Tm, Aqk, given(beta_residual, 3), given(qk_rstd, 4), given(initial_state, 4), o,
-            given(final_state, 4), given(cu_seqlens, 1, torch.int32), float(scale),
+            given(final_state, 4), given(cu_seqlens, 1, torch.int32), given(slots, 1, torch.int32),
+            given(has_initial_state, 1, torch.bool), float(scale),
             q.shape[-1], block_v, CHUNK, initial_state is not None, final_state is not None,
             q.dtype == torch.bfloat16, cu_seqlens is not None, qk_rstd is not None, state_v_first,
-            beta_residual is not None)
+            beta_residual is not None, read_slots, write_slots, has_initial_state is not None)
     return (V // block_v, num_sequences(B, cu_seqlens) * HV, 1), args
 
 
-def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=None, output_final_state=False,
-         cu_seqlens=None, qk_rstd=None, state_v_first: bool = False, beta_residual=None, out=None,
-         worker_warps: int = WORKER_WARPS):
-    """Stage 4 on the current stream: o [B, T, HV, V] (v's dtype) and the final state [N, HV, K, V]
-    fp32, or None unless output_final_state. Inputs as in the module docstring, contiguous (kda_forward
-    validates them); absent ones None; cu_seqlens [N + 1] packs N sequences into the one batch entry.
-    block_v: V columns per program (block_v_for's choice, made by kda_opt/plan). qk_rstd: stage 2's
-    [2, B, H, T] fp32 norms (l2norm). state_v_first: the initial and final states are [N, HV, V, K].
-    beta_residual: stage 2's r [B, HV, T] fp32 (module docstring). out: o's storage, a [B, T, HV, V]
-    tensor of v's dtype whose rows are contiguous (a slice along T of a B = 1 tensor, kda_opt/forward's
-    time segments), or None for a new one. worker_warps: the kernel's worker warps (WORKER_WARPS)."""
-    B, _, HV, V = v.shape
-    K = q.shape[-1]
-    N = num_sequences(B, cu_seqlens)
+def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=None, final_state=None,
+         slots=None, read_slots: bool = False, write_slots: bool = False, has_initial_state=None, cu_seqlens=None,
+         qk_rstd=None, state_v_first: bool = False, beta_residual=None, out=None, worker_warps: int = WORKER_WARPS):
+    """Stage 4 on the current stream: o [B, T, HV, V] (v's dtype), returned; the final states written
+    into final_state. Inputs as in the module docstring, contiguous (kda_forward validates them);
+    absent ones None; cu_seqlens [N + 1] packs N sequences into the one batch entry.
+    initial_state, final_state: [N, HV, K, V] ([N, HV, V, K] with state_v_first; final_state fp32,
+    bf16 or fp16), or state pools [slots, HV, K, V] whose rows are dense (stride(0) may pad them),
+    read (read_slots) or written (write_slots) at row slots[n] ([N] int32/int64) for sequence n;
+    has_initial_state ([N] bool): sequence n starts from zeros where false. block_v: V columns per
+    program (block_v_for's choice, made by kda_opt/plan). qk_rstd: stage 2's [2, B, H, T] fp32 norms
+    (l2norm). beta_residual: stage 2's r [B, HV, T] fp32 (module docstring). out: o's storage, a
+    [B, T, HV, V] tensor of v's dtype whose rows are contiguous (a slice along T of a B = 1 tensor,
+    kda_opt/forward's time segments), or None for a new one. worker_warps: the kernel's worker warps."""
     o = torch.empty_like(v) if out is None else out
-    final = None
-    if output_final_state:
-        final = v.new_empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=torch.float32)
-    grid, args = launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, final, cu_seqlens,
-                               qk_rstd, state_v_first, beta_residual)
+    grid, args = launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, final_state, cu_seqlens,
+                               qk_rstd, state_v_first, beta_residual, slots, read_slots, write_slots,
+                               has_initial_state)
     ct.launch(torch.cuda.current_stream(), grid, _kernel(worker_warps), args)
-    return o, final
+    return o

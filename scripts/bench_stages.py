@@ -73,7 +73,7 @@ def stage_rows(stages, intra_warps, block_v, worker_warps):
     for bv, warps in itertools.product(block_v, worker_warps):
         extra = {**({"block_v": bv} if bv else {}), **({"worker_warps": warps} if warps else {})}
         rows.append((f"wuso bv={bv or 'auto'} warps={warps or WORKER_WARPS}", replay(stages["wuso"], **extra),
-                     stage_bytes(stages["wuso"], 6, lambda r: r[:1])))
+                     stage_bytes(stages["wuso"], 6, lambda o: [o])))
     return rows
 
 

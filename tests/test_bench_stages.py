@@ -42,7 +42,7 @@ def test_stage_rows_each_call_their_own_stage():
     x = torch.zeros(2)
     stages = {"gate": [(launcher("gate"), (x,), {}, x)],
               "intra": [(launcher("intra"), (x, x, x, x), {"gate_bounded": True}, (x, x))],
-              "wuso": [(launcher("wuso"), (x,) * 6, {"block_v": 128}, (x, None))] * 2}   # two segments
+              "wuso": [(launcher("wuso"), (x,) * 6, {"block_v": 128}, x)] * 2}   # two segments
     rows = bs.stage_rows(stages, [None, 8], [0, 32], [0, 4])     # None or 0: the plan's own
     labels = [label for label, _, _ in rows]
     assert labels == ["gate", "intra warps=default", "intra warps=8", f"wuso bv=auto warps={bs.WORKER_WARPS}",

@@ -18,7 +18,7 @@ from tests.conftest import gpu, rel_err
 from tests.stage_inputs import qk_rstd, stage_inputs
 
 CT_DTYPES = {torch.bfloat16: ct.bfloat16, torch.float16: ct.float16, torch.float32: ct.float32,
-             torch.int32: ct.int32, torch.int64: ct.int64}
+             torch.int32: ct.int32, torch.int64: ct.int64, torch.bool: ct.bool_}
 H100_SMS = 132
 BOUND = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-3}
 
@@ -45,22 +45,34 @@ def constraint(arg):
 
 
 def cubin(dtype, K, has_state, store_state, block_v=None, B=1, T=8192, H=96, seqs=None, l2norm=False,
-          state_v_first=False, state_dtype=torch.float32, beta_residual=False):
+          state_v_first=False, state_dtype=torch.float32, beta_residual=False, pool=None):
     """The launcher's specialisation (launch_config on meta tensors of the default shape),
     compiled for sm_90; block_v None takes the launcher's choice on an H100. seqs: (N, cu_seqlens
     dtype) packs N sequences into the one batch entry (B = 1). l2norm: with stage 2's norms
-    [2, B, H, T]. state_dtype: the initial state's. beta_residual: with stage 2's β residual [B, H, T] fp32."""
+    [2, B, H, T]. state_dtype: the initial state's. beta_residual: with stage 2's β residual [B, H, T] fp32.
+    pool: (slots, slot index dtype, has_initial_state given): both states one pool of state_dtype,
+    rows padded, read and written at each sequence's slot."""
     meta = lambda *shape, dt=dtype: torch.empty(*shape, dtype=dt, device="meta")
     q, k, v, o = (meta(B, T, H, K) for _ in range(4))
     cu_seqlens = None if seqs is None else meta(seqs[0] + 1, dt=seqs[1])
     N = B if seqs is None else seqs[0]
     gcum = meta(B, T, H, K, dt=torch.float32)
     block_v = block_v or block_v_for(N * H, K, H100_SMS, dtype)
+    initial = meta(N, H, K, K, dt=state_dtype) if has_state else None
+    final = meta(N, H, K, K, dt=torch.float32) if store_state else None
+    slots = mask = None
+    if pool:
+        initial = final = torch.empty_strided((pool[0], H, K, K), (H * K * K + 64, K * K, K, 1), dtype=state_dtype,
+                                              device="meta")
+        slots = meta(N, dt=pool[1])
+        mask = meta(N, dt=torch.bool) if pool[2] else None
     _, args = launch_config(q, k, v, gcum, meta(B, T, H, 64), meta(B, T, H, 64), K ** -0.5, block_v,
-                            meta(N, H, K, K, dt=state_dtype) if has_state else None, o,
-                            meta(N, H, K, K, dt=torch.float32) if store_state else None, cu_seqlens=cu_seqlens, qk_rstd=meta(2, B, H, T, dt=torch.float32) if l2norm else None,
+                            initial, o, final, cu_seqlens=cu_seqlens,
+                            qk_rstd=meta(2, B, H, T, dt=torch.float32) if l2norm else None,
                             state_v_first=state_v_first,
-                            beta_residual=meta(B, H, T, dt=torch.float32) if beta_residual else None)
+                            beta_residual=meta(B, H, T, dt=torch.float32) if beta_residual else None,
+                            slots=slots, read_slots=pool is not None, write_slots=pool is not None,
+                            has_initial_state=mask)
     signature = KernelSignature([constraint(a) for a in args], CallingConvention.cutile_python_v2())
     buf = io.BytesIO()
     export_kernel(wuso_kernel, [signature], buf, gpu_code="sm_90", output_format="cubin")
@@ -242,15 +254,16 @@ def test_wuso_key_and_value_dims_differ(K, V):
 @gpu
 @pytest.mark.parametrize("with_state", [False, True])
 def test_wuso_launcher(with_state):
-    """The launcher: output dtypes, no final state unless asked, and the kernel compiled with another
-    worker-warp count (a tuning knob) computing the same function."""
+    """The launcher: o in v's dtype, the final state written where one is given, and the kernel
+    compiled with another worker-warp count (a tuning knob) computing the same function."""
     inputs, h0, ref_o, ref_s = stage4_case(3, 130, 2, 4, 128, torch.bfloat16, with_state)
-    o, s = wuso(*inputs, 64, initial_state=h0, output_final_state=True)
-    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+    s = torch.full_like(ref_s, float("nan"), dtype=torch.float32)
+    o = wuso(*inputs, 64, initial_state=h0, final_state=s)
+    assert o.dtype == torch.bfloat16
     assert rel_err(o, ref_o) < 1e-2 and rel_err(s, ref_s) < 1e-2
-    o_only, none = wuso(*inputs, 64, initial_state=h0)
-    assert none is None and rel_err(o_only, ref_o) < 1e-2
-    o4, s4 = wuso(*inputs, 64, initial_state=h0, output_final_state=True, worker_warps=4)
+    assert rel_err(wuso(*inputs, 64, initial_state=h0), ref_o) < 1e-2
+    s4 = torch.full_like(s, float("nan"))
+    o4 = wuso(*inputs, 64, initial_state=h0, final_state=s4, worker_warps=4)
     assert rel_err(o4, ref_o) < 1e-2 and rel_err(s4, ref_s) < 1e-2
 
 
@@ -306,3 +319,36 @@ def test_wuso_state_layout_and_dtype(state_dtype, state_v_first):
     if state_v_first:
         s = s.transpose(-1, -2)
     assert rel_err(o, ref_o) < 1e-2 and rel_err(s, ref_s) < 1e-2
+
+
+def pool_of(slots, HV, K, V, dtype, state_v_first, pad=32, seed=0):
+    """A state pool [slots, HV, K, V] ([slots, HV, V, K] V-first) of random rows, each padded by
+    `pad` elements (stride(0) > HV·K·V), and the padded storage it views."""
+    row = HV * K * V
+    flat = torch.randn(slots, row + pad, generator=torch.Generator().manual_seed(seed)).to("cuda", dtype)
+    return flat[:, :row].view((slots, HV, V, K) if state_v_first else (slots, HV, K, V)), flat
+
+
+@gpu
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("state_v_first", [False, True])
+@pytest.mark.parametrize("slots,mask", [([5, 1, 3], [True, False, True]), ([5, 7, -1], None)])
+def test_wuso_state_pool(pool_dtype, state_v_first, slots, mask):
+    """Sequence n reads and writes pool row slots[n] in place: the same numbers as the dense call
+    on the gathered rows (zeros where has_initial_state is false or the slot lies outside the pool),
+    its final state stored in the pool's dtype; no other row, and no padding, is written."""
+    inputs, _, _, _ = stage4_case(3, 130, 2, 4, 128, torch.bfloat16, False, V=64, seed=9)
+    pool, flat = pool_of(7, 4, 128, 64, pool_dtype, state_v_first)
+    before = flat.clone()
+    idx = torch.tensor(slots, dtype=torch.int32 if mask else torch.int64, device="cuda")
+    use = torch.tensor([0 <= s < 7 for s in slots], device="cuda") & (torch.tensor(mask, device="cuda") if mask else True)
+    dense = torch.where(use[:, None, None, None], pool[idx.clamp(0, 6)], 0).contiguous()
+    final = torch.empty(dense.shape, device="cuda")
+    o_ref = wuso(*inputs, 64, initial_state=dense, final_state=final, state_v_first=state_v_first)
+    o = wuso(*inputs, 64, initial_state=pool, final_state=pool, slots=idx, read_slots=True, write_slots=True,
+             has_initial_state=None if mask is None else torch.tensor(mask, device="cuda"), state_v_first=state_v_first)
+    assert torch.equal(o, o_ref)
+    written = [n for n, s in enumerate(slots) if 0 <= s < 7]
+    assert torch.equal(pool[idx[written]], final[written].to(pool_dtype))
+    untouched = [r for r in range(7) if r not in slots]
+    assert torch.equal(flat[untouched], before[untouched]) and torch.equal(flat[:, -32:], before[:, -32:])
