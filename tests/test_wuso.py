@@ -145,13 +145,15 @@ def resources(binary) -> tuple[int, int]:
 
 @pytest.mark.parametrize("call", [
     dict(), dict(state_v_first=True), dict(state_dtype=torch.bfloat16), dict(seqs=(64, torch.int32)),
-    dict(l2norm=True, state_v_first=True, beta_residual=True)])
+    dict(l2norm=True, state_v_first=True, beta_residual=True), dict(seqs=(64, torch.int32), pool=(100, torch.int32, True)),
+    dict(state_v_first=True, state_dtype=torch.bfloat16, pool=(3, torch.int64, False))])
 def test_initial_state_costs_no_resources(call):
-    """An initial state is one [K, BV] load per program: the kernel that reads it keeps the
-    registers and stack frame of the kernel without it. (Loaded before the loop, the state had
+    """An initial state is one [K, BV] load per program: the kernel that reads it (from a state pool
+    too) keeps the registers and stack frame of the kernel without it. (Loaded before the loop, the state had
     taken the compiler off its warp-specialised pipeline: 255 registers and spills, twice the time.)"""
     with_state = resources(cubin(torch.bfloat16, 128, True, True, **call))
-    without = resources(cubin(torch.bfloat16, 128, False, True, **{k: v for k, v in call.items() if k != "state_dtype"}))
+    without = resources(cubin(torch.bfloat16, 128, False, True,
+                              **{k: v for k, v in call.items() if k not in ("state_dtype", "pool")}))
     assert with_state[0] <= without[0] and with_state[1] <= without[1], (with_state, without)
 
 
