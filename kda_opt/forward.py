@@ -23,7 +23,7 @@ import torch
 
 from .gate import gate_cumsum
 from .intra import intra_chunk
-from .options import CHUNK
+from .options import CHUNK, state_shape
 from .plan import Plan, make_plan
 from .seqs import packed
 from .wuso import wuso
@@ -174,8 +174,7 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
 
 def _final_state(plan: Plan, like: torch.Tensor) -> torch.Tensor:
     """An fp32 state for each of the plan's sequences, in its layout."""
-    shape = (plan.N, plan.HV, plan.V, plan.K) if plan.state_v_first else (plan.N, plan.HV, plan.K, plan.V)
-    return like.new_empty(shape, dtype=torch.float32)
+    return like.new_empty(state_shape(plan.N, plan.HV, plan.K, plan.V, plan.state_v_first), dtype=torch.float32)
 
 
 def _stages_1_to_3(plan: Plan, launch, q, k, g, beta, seqs=None, *, A_log, dt_bias):

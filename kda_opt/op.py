@@ -9,6 +9,7 @@ there the call is validated when it runs, and the host copy of cu_seqlens is not
 import torch
 
 from .forward import kda_forward
+from .options import state_shape
 
 
 @torch.library.custom_op("kda_opt::forward", mutates_args=())
@@ -38,5 +39,5 @@ def _(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_
     K = q.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     v_first = state_v_first or bool(transpose_state_layout)
-    shape = ((N, HV, V, K) if v_first else (N, HV, K, V)) if output_final_state else (0,)
+    shape = state_shape(N, HV, K, V, v_first) if output_final_state else (0,)
     return v.new_empty(v.shape), v.new_empty(shape, dtype=torch.float32)

@@ -14,6 +14,11 @@ L2NORM_EPS = 1e-6
 LOG_DECAY_FLOOR = -24 * math.log(2.0)
 
 
+def state_shape(N: int, HV: int, K: int, V: int, v_first: bool) -> tuple[int, int, int, int]:
+    """A state per sequence and value head: [N, HV, K, V], or [N, HV, V, K] (state_v_first)."""
+    return (N, HV, V, K) if v_first else (N, HV, K, V)
+
+
 @dataclass(frozen=True)
 class GateConfig:
     """How stage 1 turns the gate input g into the per-channel log-decay a (docs/DESIGN.md, Math).

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .intra import NUM_WARPS
-from .options import CHUNK, GateConfig
+from .options import CHUNK, GateConfig, state_shape
 from .wuso import WORKER_WARPS, block_v_for
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # q, k, v; and the initial state
@@ -154,9 +154,9 @@ def _validate(q, k, v, g, beta, initial_state, *, use_gate_in_kernel, A_log, dt_
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     N = B if cu_seqlens is None and cu_seqlens_cpu is None else _validate_seqlens(cu_seqlens, cu_seqlens_cpu, B, T)
-    state_shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
-    if initial_state is not None and tuple(initial_state.shape) != state_shape:
-        raise ValueError(f"initial_state must have shape {list(state_shape)} (N = "
+    s0_shape = state_shape(N, HV, K, V, state_v_first)
+    if initial_state is not None and tuple(initial_state.shape) != s0_shape:
+        raise ValueError(f"initial_state must have shape {list(s0_shape)} (N = "
                          f"{'B' if cu_seqlens is None else 'the number of sequences'}"
                          f"{', V before K: state_v_first' if state_v_first else ''}), "
                          f"got {list(initial_state.shape)}")
