@@ -26,6 +26,7 @@ class Seqs:
     chunk_slots: int                          # extent of a per-chunk grid along T
     cu_seqlens: torch.Tensor | None = None    # [N + 1] int32/int64 on the device; None: fixed length
     chunk_indices: torch.Tensor | None = None  # [chunk_slots, 2] int32: (sequence, chunk), packed only
+    chunk_offsets: torch.Tensor | None = None  # [N + 1] int32: Σ_{m<n} cdiv(len_m, C), packed only
 
     @property
     def packed(self) -> bool:
@@ -50,7 +51,7 @@ def packed(cu_seqlens: torch.Tensor, T: int) -> Seqs:
     chunk_offsets_kernel[(1,)](cu_seqlens, offsets, N, T, C=CHUNK, BLOCK=BLOCK)
     indices = torch.empty(slots, 2, dtype=torch.int32, device=cu_seqlens.device)
     chunk_indices_kernel[(triton.cdiv(slots, BLOCK),)](offsets, indices, N, slots, N.bit_length(), BLOCK=BLOCK)
-    return Seqs(chunk_slots=slots, cu_seqlens=cu_seqlens, chunk_indices=indices)
+    return Seqs(chunk_slots=slots, cu_seqlens=cu_seqlens, chunk_indices=indices, chunk_offsets=offsets)
 
 
 @triton.jit

@@ -43,15 +43,17 @@ WORKER_WARPS = 8
 # (fla/ops/kda/wy_fast.py), chunk_gated_delta_rule_fwd_h (fla/ops/common/chunk_delta_h.py) and
 # chunk_gla_fwd_o_gk (fla/ops/gla/chunk.py); S never leaves the chip and W, U never exist.
 @ct.kernel(num_worker_warps=WORKER_WARPS)
-def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, SLOTS, MASK, scale: float,
+def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, SLOTS, MASK, CK, CK_ROW0, scale: float,
                 K: ConstInt, BV: ConstInt, C: ConstInt, HAS_S0: ConstBool, STORE_SF: ConstBool,
                 SPLIT_V: ConstBool, PACKED: ConstBool, L2NORM: ConstBool, V_FIRST: ConstBool,
-                BETA_RESIDUAL: ConstBool, READ_SLOTS: ConstBool, WRITE_SLOTS: ConstBool, HAS_MASK: ConstBool):
+                BETA_RESIDUAL: ConstBool, READ_SLOTS: ConstBool, WRITE_SLOTS: ConstBool, HAS_MASK: ConstBool,
+                STORE_CK: ConstBool):
     i_v, i_nh = ct.bid(0), ct.bid(1)
     H, HV = Q.shape[2], Vx.shape[2]
     i_n, i_hv = i_nh // HV, i_nh % HV                         # sequence, value head
     i_h = i_hv // (HV // H)                                   # GVA: HV / H value heads per q/k head
     i_b = i_n
+    ck_b, ck_row = i_n, 0                                     # checkpoints: sequence i_n's first row
     if PACKED:
         # Sequence i_n is rows cu[i_n] .. cu[i_n + 1] − 1 of the one batch entry: every [1, T, ...]
         # array is viewed through those rows, so that chunks start at the sequence's first token and
@@ -74,6 +76,8 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, SLOTS, MASK, sca
             RSTD = RSTD.slice(axis=3, start=start, stop=stop)
         O = O.slice(axis=1, start=start, stop=stop)
         i_b = 0
+        if STORE_CK:
+            ck_b, ck_row = 0, ct.load(CK_ROW0, index=(i_n,), shape=(1,)).item()
     T = Q.shape[1]
     dt = Q.dtype                                              # mma operand dtype; fp32 stays fp32
     # States [N, HV, K, V], or [N, HV, V, K] (V_FIRST): the tiles are [K, BV] either way. In a state
@@ -146,6 +150,19 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, SLOTS, MASK, sca
         g_last_t = ct.transpose(g_last)                                              # [K, 1]
         k_dec_t = ct.transpose(kf) * ct.exp2(g_last_t - ct.transpose(g), flush_to_zero=True)  # [K, C]
         S = ct.mma(k_dec_t.astype(dt), v_new, S * ct.exp2(g_last_t, flush_to_zero=True))     # [K, BV]
+        if STORE_CK:
+            # The state after this chunk (a row past the buffer's end is dropped). An fp32 V-first
+            # buffer in four row blocks of S: one transposed fp32 [K, BV] store in the loop took the
+            # compiler off the warp-specialised schedule (255 registers); quarters keep 168, as one
+            # transposed 16-bit store does (sm_90 cubins).
+            ck = S.astype(CK.dtype)
+            if V_FIRST and CK.dtype == F32:
+                for j in ct.static_iter(range(4)):
+                    ct.store(CK, index=(ck_b, ck_row + i_t, i_hv, j, i_v), order=(0, 1, 2, 4, 3),
+                             tile=ct.extract(ck, (j, 0), shape=(K // 4, BV)).reshape((1, 1, 1, K // 4, BV)))
+            else:
+                ct.store(CK, index=(ck_b, ck_row + i_t, i_hv, 0, i_v), tile=ck.reshape((1, 1, 1, K, BV)),
+                         order=(0, 1, 2, 4, 3) if V_FIRST else (0, 1, 2, 3, 4))
     if HAS_S0:
         if T == 0:                                            # an empty packed sequence keeps its state
             S = _initial_state(S0, s_in, use_s0, i_hv, i_v, K, BV, V_FIRST, READ_SLOTS or HAS_MASK)
@@ -177,9 +194,9 @@ def block_v_for(programs: int, V: int, sms: int, dtype: torch.dtype) -> int:
 
 @functools.cache
 def _stand_in(device: torch.device, ndim: int, dtype: torch.dtype) -> torch.Tensor:
-    """What the launch passes for an absent input (None: S0, final state, cu_seqlens, β residual or
-    norms), as cuTile takes arrays only: HAS_S0 / STORE_SF / PACKED / BETA_RESIDUAL / L2NORM compile
-    its access away."""
+    """What the launch passes for an absent input (None: S0, final state, cu_seqlens, β residual,
+    norms, slots, mask, checkpoints), as cuTile takes arrays only: the matching constant (HAS_S0,
+    STORE_SF, PACKED, ...) compiles its access away."""
     return torch.empty((1,) * ndim, dtype=dtype, device=device)
 
 
@@ -191,30 +208,35 @@ def _kernel(worker_warps: int):
 
 def launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, final_state, cu_seqlens=None,
                   qk_rstd=None, state_v_first=False, beta_residual=None, slots=None, read_slots=False,
-                  write_slots=False, has_initial_state=None):
+                  write_slots=False, has_initial_state=None, checkpoints=None, checkpoint_rows=None):
     """(grid, kernel arguments) of one launch: the one place both the launcher and the export test
     (tests/test_wuso.py, on meta tensors) take the kernel's specialisation from."""
     B, _, HV, V = v.shape
     given = lambda x, ndim, dtype=torch.float32: _stand_in(v.device, ndim, dtype) if x is None else x
     args = (q, k, v, gcum, Tm, Aqk, given(beta_residual, 3), given(qk_rstd, 4), given(initial_state, 4), o,
             given(final_state, 4), given(cu_seqlens, 1, torch.int32), given(slots, 1, torch.int32),
-            given(has_initial_state, 1, torch.bool), float(scale),
+            given(has_initial_state, 1, torch.bool), given(checkpoints, 5), given(checkpoint_rows, 1, torch.int32),
+            float(scale),
             q.shape[-1], block_v, CHUNK, initial_state is not None, final_state is not None,
             q.dtype == torch.bfloat16, cu_seqlens is not None, qk_rstd is not None, state_v_first,
-            beta_residual is not None, read_slots, write_slots, has_initial_state is not None)
+            beta_residual is not None, read_slots, write_slots, has_initial_state is not None, checkpoints is not None)
     return (V // block_v, num_sequences(B, cu_seqlens) * HV, 1), args
 
 
 def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=None, final_state=None,
-         slots=None, read_slots: bool = False, write_slots: bool = False, has_initial_state=None, cu_seqlens=None,
-         qk_rstd=None, state_v_first: bool = False, beta_residual=None, out=None, worker_warps: int = WORKER_WARPS):
+         slots=None, read_slots: bool = False, write_slots: bool = False, has_initial_state=None, checkpoints=None,
+         checkpoint_rows=None, cu_seqlens=None, qk_rstd=None, state_v_first: bool = False, beta_residual=None,
+         out=None, worker_warps: int = WORKER_WARPS):
     """Stage 4 on the current stream: o [B, T, HV, V] (v's dtype), returned; the final states written
     into final_state. Inputs as in the module docstring, contiguous (kda_forward validates them);
     absent ones None; cu_seqlens [N + 1] packs N sequences into the one batch entry.
     initial_state, final_state: [N, HV, K, V] ([N, HV, V, K] with state_v_first; final_state fp32,
     bf16 or fp16), or state pools [slots, HV, K, V] whose rows are dense (stride(0) may pad them),
     read (read_slots) or written (write_slots) at row slots[n] ([N] int32/int64) for sequence n;
-    has_initial_state ([N] bool): sequence n starts from zeros where false. block_v: V columns per
+    has_initial_state ([N] bool): sequence n starts from zeros where false. checkpoints: [B, NT, HV,
+    K, V] (V-first with state_v_first; fp32, bf16 or fp16), the state after each chunk: chunk j of
+    sequence n at [n, j], or packed (B = 1) at [0, checkpoint_rows[n] + j] (checkpoint_rows [N]
+    int32: Σ_{m<n} cdiv(len_m, 64), kda_opt/seqs); rows past NT are not written. block_v: V columns per
     program (block_v_for's choice, made by kda_opt/plan). qk_rstd: stage 2's [2, B, H, T] fp32 norms
     (l2norm). beta_residual: stage 2's r [B, HV, T] fp32 (module docstring). out: o's storage, a
     [B, T, HV, V] tensor of v's dtype whose rows are contiguous (a slice along T of a B = 1 tensor,
@@ -222,6 +244,6 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
     o = torch.empty_like(v) if out is None else out
     grid, args = launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, final_state, cu_seqlens,
                                qk_rstd, state_v_first, beta_residual, slots, read_slots, write_slots,
-                               has_initial_state)
+                               has_initial_state, checkpoints, checkpoint_rows)
     ct.launch(torch.cuda.current_stream(), grid, _kernel(worker_warps), args)
     return o

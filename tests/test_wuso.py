@@ -45,13 +45,14 @@ def constraint(arg):
 
 
 def cubin(dtype, K, has_state, store_state, block_v=None, B=1, T=8192, H=96, seqs=None, l2norm=False,
-          state_v_first=False, state_dtype=torch.float32, beta_residual=False, pool=None):
+          state_v_first=False, state_dtype=torch.float32, beta_residual=False, pool=None, checkpoints=None):
     """The launcher's specialisation (launch_config on meta tensors of the default shape),
     compiled for sm_90; block_v None takes the launcher's choice on an H100. seqs: (N, cu_seqlens
     dtype) packs N sequences into the one batch entry (B = 1). l2norm: with stage 2's norms
     [2, B, H, T]. state_dtype: the initial state's. beta_residual: with stage 2's β residual [B, H, T] fp32.
     pool: (slots, slot index dtype, has_initial_state given): both states one pool of state_dtype,
-    rows padded, read and written at each sequence's slot."""
+    rows padded, read and written at each sequence's slot. checkpoints: the dtype of a checkpoint
+    buffer [B, NT, H, K, V] (packed: with its rows' offsets)."""
     meta = lambda *shape, dt=dtype: torch.empty(*shape, dtype=dt, device="meta")
     q, k, v, o = (meta(B, T, H, K) for _ in range(4))
     cu_seqlens = None if seqs is None else meta(seqs[0] + 1, dt=seqs[1])
@@ -72,7 +73,9 @@ def cubin(dtype, K, has_state, store_state, block_v=None, B=1, T=8192, H=96, seq
                             state_v_first=state_v_first,
                             beta_residual=meta(B, H, T, dt=torch.float32) if beta_residual else None,
                             slots=slots, read_slots=pool is not None, write_slots=pool is not None,
-                            has_initial_state=mask)
+                            has_initial_state=mask,
+                            checkpoints=None if checkpoints is None else meta(B, T // 64 + N, H, K, K, dt=checkpoints),
+                            checkpoint_rows=None if checkpoints is None or seqs is None else meta(N, dt=torch.int32))
     signature = KernelSignature([constraint(a) for a in args], CallingConvention.cutile_python_v2())
     buf = io.BytesIO()
     export_kernel(wuso_kernel, [signature], buf, gpu_code="sm_90", output_format="cubin")
@@ -155,6 +158,19 @@ def test_initial_state_costs_no_resources(call):
     without = resources(cubin(torch.bfloat16, 128, False, True,
                               **{k: v for k, v in call.items() if k not in ("state_dtype", "pool")}))
     assert with_state[0] <= without[0] and with_state[1] <= without[1], (with_state, without)
+
+
+@pytest.mark.parametrize("call", [
+    dict(checkpoints=torch.float32), dict(checkpoints=torch.float32, state_v_first=True),
+    dict(checkpoints=torch.bfloat16, state_v_first=True, seqs=(64, torch.int32), l2norm=True, beta_residual=True),
+    dict(checkpoints=torch.float16, pool=(100, torch.int64, True), state_v_first=True)])
+def test_checkpoints_cost_no_resources(call):
+    """Storing the state after every chunk keeps the registers and stack frame of the kernel
+    without it (one transposed fp32 store in the loop took 255 registers: kda_opt/wuso stores an
+    fp32 V-first state in quarters)."""
+    with_ck = resources(cubin(torch.bfloat16, 128, True, True, **call))
+    without = resources(cubin(torch.bfloat16, 128, True, True, **{k: v for k, v in call.items() if k != "checkpoints"}))
+    assert with_ck[0] <= without[0] and with_ck[1] <= without[1], (with_ck, without)
 
 
 def test_block_v_fills_one_wave():
