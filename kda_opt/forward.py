@@ -52,6 +52,10 @@ def kda_forward(
     cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_size: int = CHUNK,
     transpose_state_layout: bool | None = None,
+    initial_state_indices: torch.Tensor | None = None,
+    initial_state_indices_cpu: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    checkpoints: torch.Tensor | None = None,
 ):
     r"""Forward pass of Kimi Delta Attention; the same function as FLA 0.6.0 ``chunk_kda``.
 
@@ -105,8 +109,35 @@ def kda_forward(
         transpose_state_layout: FLA's deprecated name of ``state_v_first`` (a DeprecationWarning;
             passing both is an error).
 
+    Keyword-only, for serving engines (docs/USAGE.md, "Serving"):
+        initial_state_indices: ``[N]`` int32/int64 on q's device (SGLang's name): initial_state is
+            then a state **pool** ``[slots, HV, K, V]`` (``[slots, HV, V, K]`` with
+            ``state_v_first``; float32, bf16 or fp16; each row dense, rows may be padded:
+            ``stride(0) ≥ HV·K·V``). Sequence n starts from ``pool[initial_state_indices[n]]``, and
+            its final state is written to that row, in place and rounded to the pool's dtype, by
+            this call's last kernel on the current stream (so it is in the pool for any later
+            work ordered on that stream; other rows and the padding are left as they are). A
+            negative index (SGLang pads with −1) starts from zeros and writes nothing; an index at
+            or past ``slots`` reads as zeros and writes nothing on the device (a caller error that
+            ``initial_state_indices_cpu`` catches). Then ``output_final_state`` must be False and
+            the call returns ``(o, None)``. Two sequences must not name the same slot.
+        initial_state_indices_cpu: the same indices on the CPU (optional): then checked here (below
+            ``slots``, no slot twice), without a host-device synchronisation.
+        has_initial_state: ``[N]`` bool on q's device (vLLM's name): sequence n starts from zeros
+            where False (its state row is not read, so it may hold anything), from initial_state
+            (a pool row or the dense ``initial_state[n]``) where True.
+        checkpoints: a buffer ``[B, NT, HV, K, V]`` (``…, V, K]`` with ``state_v_first``; float32,
+            bf16 or fp16) that receives the state after every 64-token chunk, for prefix caching:
+            ``checkpoints[b, j]`` is sequence b's state after its first ``min(64·(j+1), T)`` tokens,
+            for ``j < cdiv(T, 64)``, bit for bit the final state of a call that stops there (in
+            the buffer's dtype). Packed (B = 1), sequence n's chunk j is row
+            ``Σ_{m<n} cdiv(len_m, 64) + j`` (the layout of FLA's intermediate states); rows past NT
+            are not written, and ``NT = cdiv(T, 64) + N − 1`` always suffices. Written in place,
+            on the current stream; the rows no chunk maps to are left as they are.
+
     Returns:
-        ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state as above, or None.
+        ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state as above, or None (also
+        with a state pool: the final states are then in the pool).
 
     Needs a CUDA GPU of compute capability 9.0 (Hopper: H100, H200); forward only, with no
     autograd: with gradients enabled, inputs that require grad raise a RuntimeError (call it under
@@ -121,22 +152,29 @@ def kda_forward(
     this function when the compiled graph runs: the same numbers; cu_seqlens_cpu is not read there.
     """
     if torch.compiler.is_compiling():
-        o, final = torch.ops.kda_opt.forward(
+        writes = initial_state_indices is not None or checkpoints is not None
+        op = torch.ops.kda_opt.forward_in_place if writes else torch.ops.kda_opt.forward
+        o, final = op(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
             use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias, safe_gate,
-            lower_bound, state_v_first, cu_seqlens, chunk_size, transpose_state_layout)
+            lower_bound, state_v_first, cu_seqlens, chunk_size, transpose_state_layout, initial_state_indices,
+            has_initial_state, checkpoints)
         return o, final if output_final_state else None
     plan = make_plan(q, k, v, g, beta, scale, initial_state, output_final_state,
                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                      use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
                      A_log=A_log, dt_bias=dt_bias, safe_gate=safe_gate, lower_bound=lower_bound,
                      state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                     chunk_size=chunk_size, transpose_state_layout=transpose_state_layout)
-    return run(plan, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens)
+                     chunk_size=chunk_size, transpose_state_layout=transpose_state_layout,
+                     initial_state_indices=initial_state_indices, initial_state_indices_cpu=initial_state_indices_cpu,
+                     has_initial_state=has_initial_state, checkpoints=checkpoints)
+    return run(plan, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, initial_state_indices,
+               has_initial_state, checkpoints)
 
 
 # run's tensor arguments, by kda_forward's names: run(plan, **{n: arguments.get(n) for n in RUN_TENSORS}).
-RUN_TENSORS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens")
+RUN_TENSORS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens",
+               "initial_state_indices", "has_initial_state", "checkpoints")
 
 
 def annotated(name, launcher, *args, **kwargs):
@@ -145,13 +183,14 @@ def annotated(name, launcher, *args, **kwargs):
         return launcher(*args, **kwargs)
 
 
-def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=None, cu_seqlens=None, *,
-        launch=annotated):
+def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=None, cu_seqlens=None,
+        initial_state_indices=None, has_initial_state=None, checkpoints=None, *, launch=annotated):
     """The forward of a plan made from these inputs (make_plan): (o, final state or None).
     launch(name, launcher, *args, **kwargs) runs each stage's launcher (names: seqs, gate, intra,
     wuso); scripts/bench_stages.py passes one that records them."""
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    if initial_state is not None:
+    q, k, v, beta = (_token_rows(x) for x in (q, k, v, beta))
+    g = g.contiguous()
+    if initial_state is not None and not plan.state_pool:   # a pool is read and written where it is
         initial_state = initial_state.contiguous()
     if plan.gate.in_kernel:
         A_log = None if A_log is None else A_log.to(torch.float32).contiguous()
@@ -163,13 +202,28 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
                                state_v_first=plan.state_v_first, worker_warps=plan.worker_warps)
     with nvtx.annotate("kda_opt/forward", domain="kda_opt"):
         seqs = launch("seqs", packed, cu_seqlens, plan.T) if plan.packed else None
-        final = _final_state(plan, v) if plan.output_final_state else None
+        final = initial_state if plan.state_pool else _final_state(plan, v) if plan.output_final_state else None
+        state = dict(initial_state=initial_state, final_state=final, slots=initial_state_indices,
+                     read_slots=plan.state_pool, write_slots=plan.state_pool, has_initial_state=has_initial_state)
         if len(plan.segments) == 1:
             gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, seqs)
-            o = stage4(q, k, v, gcum, Tm, Aqk, initial_state=initial_state, final_state=final, cu_seqlens=cu_seqlens,
-                       qk_rstd=rstd, beta_residual=r)
-            return o, final
-        return _pipelined(plan, q, k, v, g, beta, initial_state, final, prepare, stage4)
+            o = stage4(q, k, v, gcum, Tm, Aqk, **state, checkpoints=checkpoints,
+                       checkpoint_rows=None if checkpoints is None or seqs is None else seqs.chunk_offsets,
+                       cu_seqlens=cu_seqlens, qk_rstd=rstd, beta_residual=r)
+        else:
+            o = _pipelined(plan, q, k, v, g, beta, state, checkpoints, prepare, stage4)
+        return o, None if plan.state_pool else final
+
+
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [B, T, ...] itself where the stages can read it through its strides: each token's row (heads ×
+    channels) dense, 16-byte aligned, tokens evenly spaced through the batch (as in q, k, v or beta
+    split from one fused projection); otherwise a contiguous copy."""
+    B, T = x.shape[:2]
+    row = x[0, 0]
+    readable = (row.is_contiguous() and x.stride(1) >= row.numel() and (B == 1 or x.stride(0) == T * x.stride(1))
+                and x.stride(1) * x.element_size() % 16 == 0 and x.data_ptr() % 16 == 0)
+    return x if readable else x.contiguous()
 
 
 def _final_state(plan: Plan, like: torch.Tensor) -> torch.Tensor:
@@ -196,15 +250,17 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-def _pipelined(plan: Plan, q, k, v, g, beta, initial_state, final, prepare, stage4):
-    """The forward over plan.segments of one sequence (B = 1): stages 1–3 of each segment on a side
-    stream, stage 4 on the caller's, which waits for them; the state handed on in fp32 (two buffers
-    in turn), the last segment's written into `final` (or nowhere)."""
+def _pipelined(plan: Plan, q, k, v, g, beta, state, checkpoints, prepare, stage4):
+    """o over plan.segments of one sequence (B = 1): stages 1–3 of each segment on a side stream,
+    stage 4 on the caller's, which waits for them. `state` holds stage 4's state arguments of the
+    whole call: the first segment reads the initial state (a pool row too), the last writes the
+    final one; between them the state is handed on in fp32 (two buffers in turn)."""
     main = torch.cuda.current_stream(q.device)
     side = _side_stream(q.device)
     side.wait_stream(main)                      # q, k, v, g, beta as the caller's stream left them
     o = torch.empty_like(v)
-    state, handed = initial_state, [_final_state(plan, v), _final_state(plan, v)]
+    handed = [_final_state(plan, v), _final_state(plan, v)]
+    last = len(plan.segments) - 1
     for i, (t0, t1) in enumerate(plan.segments):
         part = lambda x: x[:, t0:t1]            # B = 1: a contiguous view
         with torch.cuda.stream(side):
@@ -215,8 +271,11 @@ def _pipelined(plan: Plan, q, k, v, g, beta, initial_state, final, prepare, stag
                 x.record_stream(main)           # allocated on the side stream, read on the caller's
         main.wait_event(ready)
         gcum, Aqk, Tm, r, rstd = made
-        out_state = final if i == len(plan.segments) - 1 else handed[i % 2]
-        stage4(part(q), part(k), part(v), gcum, Tm, Aqk, initial_state=state, final_state=out_state, qk_rstd=rstd,
+        reads = dict(initial_state=state["initial_state"], has_initial_state=state["has_initial_state"]) if i == 0 \
+            else dict(initial_state=handed[(i - 1) % 2])
+        stage4(part(q), part(k), part(v), gcum, Tm, Aqk, **reads,
+               final_state=state["final_state"] if i == last else handed[i % 2], slots=state["slots"],
+               read_slots=i == 0 and state["read_slots"], write_slots=i == last and state["write_slots"],
+               checkpoints=None if checkpoints is None else checkpoints[:, t0 // CHUNK:], qk_rstd=rstd,
                beta_residual=r, out=part(o))
-        state = out_state
-    return o, final
+    return o

@@ -80,10 +80,10 @@ def _rstd(x):
 
 
 @triton.jit
-def _beta(beta, o_t, m_t, HV: tl.constexpr, BETA_SIGMOID: tl.constexpr):
-    """β of the rows o_t, zero where not m_t: as given, or BETA_SIGMOID · sigmoid(beta) where beta
-    holds logits (BETA_SIGMOID > 0: 1, or 2 for FLA's allow_neg_eigval)."""
-    b = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
+def _beta(beta, o_t, m_t, STRIDE: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+    """β of the rows o_t (tokens, STRIDE apart), zero where not m_t: as given, or BETA_SIGMOID ·
+    sigmoid(beta) where beta holds logits (BETA_SIGMOID > 0: 1, or 2 for FLA's allow_neg_eigval)."""
+    b = tl.load(beta + o_t * STRIDE, mask=m_t, other=0.0).to(tl.float32)
     if BETA_SIGMOID > 0:
         b = tl.where(m_t, BETA_SIGMOID * tl.sigmoid(b), 0.0)
     return b
@@ -167,7 +167,8 @@ def _diagonal_block(b_q, b_k, b_g, g_n, g_a_last, g_b_first, g_b_last, m_t, SPLI
 
 
 @triton.jit
-def _row_block(q, k, gcum, beta, Aqk, rstd, rstd_plane, t0, T, scale, R: tl.constexpr, BTC: tl.constexpr,
+def _row_block(q, k, gcum, beta, Aqk, rstd, rstd_plane, t0, T, scale, SQ: tl.constexpr, SK: tl.constexpr,
+               SB: tl.constexpr, R: tl.constexpr, BTC: tl.constexpr,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, UNBOUNDED: tl.constexpr,
                DOT_PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr, L2NORM: tl.constexpr,
                BETA_SIGMOID: tl.constexpr):
@@ -176,15 +177,15 @@ def _row_block(q, k, gcum, beta, Aqk, rstd, rstd_plane, t0, T, scale, R: tl.cons
     rows (whole rows, zero past its diagonal) and, if L2NORM, its rows' q and k norms (rstd[0],
     rstd[rstd_plane]); returns its Akk rows [BC, BTC] (β applied, zero on and above the diagonal)
     and, for an unbounded gate, its diagonal block [BC, BC] apart (the [BC, BTC] rows then hold
-    zeros there). A block starting past T is all zero."""
+    zeros there). A block starting past T is all zero. SQ, SK, SB: q's, k's and beta's token strides."""
     n = t0 + R * BC                                   # the block's first row
     o_i = tl.arange(0, BC)
     o_t = n + o_i
     m_t = o_t < T
     o_j = tl.arange(0, BTC)
     o_k = tl.arange(0, K)
-    b_q = _tile(q, o_t, m_t, o_k, H * K)                                 # [BC, K]
-    b_k = _tile(k, o_t, m_t, o_k, H * K)
+    b_q = _tile(q, o_t, m_t, o_k, SQ)                                    # [BC, K]
+    b_k = _tile(k, o_t, m_t, o_k, SK)
     b_g = _tile(gcum, o_t, m_t, o_k, HV * K)
     g_n = _gamma_row(gcum, n, n, T, HV, K)
     # Exponents are masked before exp2 (rows and columns past T load Γ = 0, where 2^(C − 0) could
@@ -203,7 +204,7 @@ def _row_block(q, k, gcum, beta, Aqk, rstd, rstd_plane, t0, T, scale, R: tl.cons
         b_Aqk = tl.zeros([BC, BTC], dtype=tl.float32)  # no columns before the chunk's first block
         b_Akk = tl.zeros([BC, BTC], dtype=tl.float32)
     else:
-        b_kct = tl.trans(_tile(k, t0 + o_j, m_c, o_k, H * K))             # [K, BTC]
+        b_kct = tl.trans(_tile(k, t0 + o_j, m_c, o_k, SK))                # [K, BTC]
         b_gc = _tile(gcum, t0 + o_j, m_c, o_k, HV * K)                   # [BTC, K]
         b_kc = b_kct * tl.exp2(tl.where(m_c[None, :], b_c[:, None] - tl.trans(b_gc), -float("inf")))
         b_Aqk, b_Akk = _products(b_q * b_rn, b_k * b_rn, b_kc, SPLIT_BF16, DOT_PRECISION)
@@ -232,7 +233,7 @@ def _row_block(q, k, gcum, beta, Aqk, rstd, rstd_plane, t0, T, scale, R: tl.cons
     # the decay is 1, is a plain row sum in fp32: with 16-bit product operands it would carry the
     # column rounding in full, and at T = 1 it is the whole output.
     o_r = R * BC + o_i
-    b_beta = _beta(beta, o_t, m_t, HV, BETA_SIGMOID)
+    b_beta = _beta(beta, o_t, m_t, SB, BETA_SIGMOID)
     p_qk = Aqk + o_t[:, None] * (HV * BT)
     if UNBOUNDED:
         b_Dqk = tl.where(o_i[None, :] == o_i[:, None], b_qk[:, None], b_Dqk)
@@ -301,6 +302,7 @@ def intra_chunk_kernel(
     Rb, Rstd,                         # [B,HV,T] fp32 β's residual (BETA_RESIDUAL), [2,B,H,T] fp32 norms (L2NORM), or None
     cu_seqlens, chunk_indices,        # packed sequences (kda_opt/seqs), or None
     T, scale,
+    SQ: tl.constexpr, SK: tl.constexpr, SB: tl.constexpr,  # q's, k's and beta's token strides (views)
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, UNBOUNDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SPLIT_BF16: tl.constexpr, PACKED: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
     BETA_RESIDUAL: tl.constexpr,
@@ -319,14 +321,14 @@ def intra_chunk_kernel(
         if t0 >= T:  # a spare slot
             return
     tok = bos - i_b * T_all                    # the sequence's first token in its batch entry
-    q += (bos * H + i_h) * K
-    k += (bos * H + i_h) * K
+    q += bos * SQ + i_h * K
+    k += bos * SK + i_h * K
     gcum += (bos * HV + i_hv) * K
-    beta += bos * HV + i_hv
+    beta += bos * SB + i_hv
     Aqk += (bos * HV + i_hv) * BT
     Tm += (bos * HV + i_hv) * BT
     o_c = t0 + tl.arange(0, BT)
-    b_beta = _beta(beta, o_c, o_c < T, HV, BETA_SIGMOID)
+    b_beta = _beta(beta, o_c, o_c < T, SB, BETA_SIGMOID)
     if BETA_RESIDUAL:
         b_round = b_beta.to(Tm.dtype.element_ty).to(tl.float32)
         tl.store(Rb + (i_b * HV + i_hv) * T_all + tok + o_c, b_beta - b_round, mask=o_c < T)
@@ -338,17 +340,19 @@ def intra_chunk_kernel(
     # The row blocks R = 0..3 against their first BTC columns (_row_block); an unbounded gate's
     # blocks 1 and 2 need only the columns before their diagonal blocks.
     # Rows past T have zero Akk rows: identity rows of the inverse, never stored, never reached.
-    A0, D = _row_block(q, k, gcum, beta, Aqk, Rstd, rstd_plane, t0, T, scale, 0, BC,
+    A0, D = _row_block(q, k, gcum, beta, Aqk, Rstd, rstd_plane, t0, T, scale, SQ, SK, SB, 0, BC,
                        H, HV, K, UNBOUNDED, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
     X0 = _solve_rows(Tm, t0, 0, T, _diagonal(A0, D, UNBOUNDED), tl.zeros([BC, BT], dtype=tl.float32), b_beta, HV, P)
-    A1, D = _row_block(q, k, gcum, beta, Aqk, Rstd, rstd_plane, t0, T, scale, 1, BC if UNBOUNDED else 2 * BC,
+    A1, D = _row_block(q, k, gcum, beta, Aqk, Rstd, rstd_plane, t0, T, scale, SQ, SK, SB, 1,
+                       BC if UNBOUNDED else 2 * BC,
                        H, HV, K, UNBOUNDED, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
     if UNBOUNDED:
         A10, A11 = A1, D
     else:
         A10, A11 = _halves(A1)
     X1 = _solve_rows(Tm, t0, 1, T, A11, tl.dot(A10, X0, input_precision=P), b_beta, HV, P)
-    A2, D = _row_block(q, k, gcum, beta, Aqk, Rstd, rstd_plane, t0, T, scale, 2, 2 * BC if UNBOUNDED else BT,
+    A2, D = _row_block(q, k, gcum, beta, Aqk, Rstd, rstd_plane, t0, T, scale, SQ, SK, SB, 2,
+                       2 * BC if UNBOUNDED else BT,
                        H, HV, K, UNBOUNDED, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
     if UNBOUNDED:
         A20, A21 = _halves(A2)
@@ -357,7 +361,7 @@ def intra_chunk_kernel(
         A20, A21, A22, _ = _quarters(A2)
     b_Y = tl.dot(A21, X1, tl.dot(A20, X0, input_precision=P), input_precision=P)
     X2 = _solve_rows(Tm, t0, 2, T, A22, b_Y, b_beta, HV, P)
-    A3, D = _row_block(q, k, gcum, beta, Aqk, Rstd, rstd_plane, t0, T, scale, 3, BT,
+    A3, D = _row_block(q, k, gcum, beta, Aqk, Rstd, rstd_plane, t0, T, scale, SQ, SK, SB, 3, BT,
                        H, HV, K, UNBOUNDED, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
     A30, A31, A32, A33 = _quarters(A3)
     b_Y = tl.dot(A32, X2, tl.dot(A31, X1, tl.dot(A30, X0, input_precision=P), input_precision=P),
@@ -387,7 +391,7 @@ def intra_chunk(q, k, gcum, beta, scale: float, *, gate_bounded: bool = False, s
         qk_rstd = torch.empty(2, B, H, T, dtype=torch.float32, device=q.device)
     intra_chunk_kernel[(B * HV, seqs.chunk_slots)](
         q, k, gcum, beta, Aqk, Tm, beta_residual, qk_rstd if l2norm else None, seqs.cu_seqlens, seqs.chunk_indices,
-        T, scale, H=H, HV=HV, K=K, PACKED=seqs.packed, L2NORM=l2norm,
+        T, scale, SQ=q.stride(1), SK=k.stride(1), SB=beta.stride(1), H=H, HV=HV, K=K, PACKED=seqs.packed, L2NORM=l2norm,
         UNBOUNDED=not gate_bounded, BETA_SIGMOID=float(beta_sigmoid or 0.0),
         BETA_RESIDUAL=beta_residual is not None,
         # Precision (module docstring). The interpreter ignores DOT_PRECISION and multiplies in fp32.

@@ -56,6 +56,9 @@ class Plan:
     beta_residual: bool           # stage 2 writes β − round(β) for stage 4 (kda_opt/intra, "β's residual")
     initial_state: bool
     output_final_state: bool
+    state_pool: bool              # initial_state is a pool read and written at initial_state_indices
+    state_mask: bool              # has_initial_state given
+    checkpoints: bool             # the state after every chunk written into `checkpoints`
     state_v_first: bool           # states [N, HV, V, K]
     packed: bool                  # cu_seqlens given
     block_v: int                  # stage 4's V columns per program
@@ -68,7 +71,8 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
               allow_neg_eigval=False, A_log=None, dt_bias=None, safe_gate=False, lower_bound=None,
               state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_size=CHUNK,
-              transpose_state_layout=None, tuning: Tuning = Tuning()) -> Plan:
+              transpose_state_layout=None, initial_state_indices=None, initial_state_indices_cpu=None,
+              has_initial_state=None, checkpoints=None, tuning: Tuning = Tuning()) -> Plan:
     """kda_forward's arguments (its docstring says what each means) checked and resolved into a Plan."""
     if transpose_state_layout is not None:
         if state_v_first:
@@ -76,11 +80,17 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         warnings.warn("transpose_state_layout is deprecated; its name is now state_v_first",
                       DeprecationWarning, stacklevel=3)
         state_v_first = bool(transpose_state_layout)
-    N = _validate(q, k, v, g, beta, initial_state, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+    pool = initial_state_indices is not None or initial_state_indices_cpu is not None
+    N = _validate(q, k, v, g, beta, None if pool else initial_state, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
                   dt_bias=dt_bias, safe_gate=safe_gate, lower_bound=lower_bound,
                   use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
                   state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                   chunk_size=chunk_size)
+    _validate_serving(q, v, N, initial_state, output_final_state, initial_state_indices, initial_state_indices_cpu,
+                      has_initial_state, checkpoints, state_v_first, cu_seqlens, cu_seqlens_cpu)
+    _validate_devices(q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias,
+                      cu_seqlens=cu_seqlens, initial_state_indices=initial_state_indices,
+                      has_initial_state=has_initial_state, checkpoints=checkpoints)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
@@ -94,7 +104,8 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         # Tm (k's dtype) holds β on its diagonal: where β is not a number of that dtype, stage 4 adds
         # back what its rounding lost.
         beta_residual=k.dtype != torch.float32 and (use_beta_sigmoid_in_kernel or beta.dtype != k.dtype),
-        initial_state=initial_state is not None, output_final_state=output_final_state,
+        initial_state=initial_state is not None, output_final_state=output_final_state, state_pool=pool,
+        state_mask=has_initial_state is not None, checkpoints=checkpoints is not None,
         state_v_first=state_v_first, packed=cu_seqlens is not None, block_v=block_v,
         segments=time_segments(T, N, N * HV * (V // block_v), sms, cu_seqlens is not None, tuning.segment_tokens,
                                tuning.max_segments),
@@ -118,7 +129,8 @@ def time_segments(T: int, N: int, programs: int, sms: int, is_packed: bool, segm
 def _validate(q, k, v, g, beta, initial_state, *, use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound,
               use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, cu_seqlens_cpu,
               chunk_size) -> int:
-    """Checks every argument's type, shape, dtype and device; returns N, the number of sequences."""
+    """Checks every argument's type, shape and dtype (devices: _validate_devices); returns N, the
+    number of sequences."""
     named = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
     optional = {"initial_state": initial_state, "A_log": A_log, "dt_bias": dt_bias}
     for name, x in {**named, **{n: x for n, x in optional.items() if x is not None}}.items():
@@ -184,14 +196,89 @@ def _validate(q, k, v, g, beta, initial_state, *, use_gate_in_kernel, A_log, dt_
     if safe_gate and lower_bound is not None and not SAFE_LOWER_BOUND[0] <= lower_bound < SAFE_LOWER_BOUND[1]:
         raise ValueError(f"safe_gate needs lower_bound in [{SAFE_LOWER_BOUND[0]}, {SAFE_LOWER_BOUND[1]}), "
                          f"got {lower_bound}")
-
-    device = q.device
-    if device.type != "cuda":
-        raise ValueError(f"q must be on a CUDA device, got {device}")
-    for name, x in {**named, **optional, "cu_seqlens": cu_seqlens}.items():
-        if x is not None and x.device != device:
-            raise ValueError(f"{name} must be on {device} like q, got {x.device}")
     return N
+
+
+def _validate_devices(q, **tensors):
+    """q on a CUDA device, and every other tensor (None: absent) on q's; checked after everything
+    else, so that the CPU tests reach every other check."""
+    if q.device.type != "cuda":
+        raise ValueError(f"q must be on a CUDA device, got {q.device}")
+    for name, x in tensors.items():
+        if x is not None and x.device != q.device:
+            raise ValueError(f"{name} must be on {q.device} like q, got {x.device}")
+
+
+def _validate_serving(q, v, N, initial_state, output_final_state, indices, indices_cpu, has_initial_state,
+                      checkpoints, state_v_first, cu_seqlens, cu_seqlens_cpu):
+    """Checks the state pool (initial_state with initial_state_indices), has_initial_state and the
+    checkpoint buffer, as a serving engine passes them (kda_forward's docstring)."""
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    row = state_shape(1, HV, K, V, state_v_first)[1:]
+    if indices is None and indices_cpu is not None:
+        raise ValueError("initial_state_indices_cpu is given without initial_state_indices (the device copy "
+                         "the kernels read)")
+    if indices is not None:
+        if initial_state is None:
+            raise ValueError("initial_state_indices needs initial_state: the state pool they index")
+        if output_final_state:
+            raise ValueError("with initial_state_indices the final states are written into the pool "
+                             "(initial_state) in place: pass output_final_state=False")
+        if not isinstance(initial_state, torch.Tensor) or not initial_state.is_floating_point():
+            raise TypeError(f"initial_state must be a floating-point torch.Tensor, got {initial_state!r:.80}")
+        if initial_state.dim() != 4 or tuple(initial_state.shape[1:]) != row or initial_state.shape[0] < 1:
+            layout = " (V before K: state_v_first)" if state_v_first else ""
+            raise ValueError(f"a state pool (initial_state with initial_state_indices) must have shape "
+                             f"[slots, {', '.join(map(str, row))}]{layout}, got {list(initial_state.shape)}")
+        if initial_state.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"initial_state must be float32, bfloat16 or float16, got {initial_state.dtype}")
+        dense_row = (row[1] * row[2], row[2], 1)
+        if tuple(initial_state.stride()[1:]) != dense_row or initial_state.stride(0) < row[0] * dense_row[0]:
+            raise ValueError(f"a state pool's rows must each be dense (strides [≥ {row[0] * dense_row[0]}, "
+                             f"{', '.join(map(str, dense_row))}]; padding between rows is fine), got strides "
+                             f"{list(initial_state.stride())}")
+        for name, x in (("initial_state_indices", indices), ("initial_state_indices_cpu", indices_cpu)):
+            if x is None:
+                continue
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            if x.dtype not in (torch.int32, torch.int64):
+                raise TypeError(f"{name} must be int32 or int64, got {x.dtype}")
+            if tuple(x.shape) != (N,):
+                raise ValueError(f"{name} must have shape [{N}] (one slot per sequence), got {list(x.shape)}")
+        if indices_cpu is not None:
+            if indices_cpu.device.type != "cpu":
+                raise ValueError(f"initial_state_indices_cpu must be on the CPU, got {indices_cpu.device}")
+            slots = initial_state.shape[0]
+            if (indices_cpu >= slots).any():
+                raise ValueError(f"initial_state_indices_cpu must be below the pool's {slots} slots (negative: "
+                                 f"no slot), got {indices_cpu.max().item()}")
+            used = indices_cpu[indices_cpu >= 0]
+            if used.unique().numel() != used.numel():
+                raise ValueError("initial_state_indices_cpu names a slot twice: two sequences would write one "
+                                 "pool row")
+    if has_initial_state is not None:
+        if not isinstance(has_initial_state, torch.Tensor) or has_initial_state.dtype != torch.bool:
+            raise TypeError(f"has_initial_state must be a torch.bool tensor, got "
+                            f"{getattr(has_initial_state, 'dtype', type(has_initial_state).__name__)}")
+        if tuple(has_initial_state.shape) != (N,):
+            raise ValueError(f"has_initial_state must have shape [{N}], got {list(has_initial_state.shape)}")
+        if initial_state is None:
+            raise ValueError("has_initial_state needs initial_state (the states it selects)")
+    if checkpoints is not None:
+        if not isinstance(checkpoints, torch.Tensor):
+            raise TypeError(f"checkpoints must be a torch.Tensor, got {type(checkpoints).__name__}")
+        if checkpoints.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"checkpoints must be float32, bfloat16 or float16, got {checkpoints.dtype}")
+        need = -(-T // CHUNK)
+        if cu_seqlens_cpu is not None:
+            need = int((cu_seqlens_cpu.diff() + CHUNK - 1).div(CHUNK, rounding_mode="floor").sum())
+        if (checkpoints.dim() != 5 or checkpoints.shape[0] != B or tuple(checkpoints.shape[2:]) != row
+                or (cu_seqlens is None or cu_seqlens_cpu is not None) and checkpoints.shape[1] < need):
+            rows = "Σ cdiv(len_n, 64)" if cu_seqlens is not None else f"{need}"
+            raise ValueError(f"checkpoints must have shape [{B}, ≥ {rows}, {', '.join(map(str, row))}] (the state "
+                             f"after each {CHUNK}-token chunk), got {list(checkpoints.shape)}")
 
 
 def _validate_seqlens(cu_seqlens, cu_seqlens_cpu, B, T) -> int:

@@ -14,7 +14,8 @@ from tests.conftest import gpu
 DEFAULTS = dict(scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
                 use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, A_log=None,
                 dt_bias=None, safe_gate=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
-                chunk_size=64, transpose_state_layout=None)
+                chunk_size=64, transpose_state_layout=None, initial_state_indices=None, has_initial_state=None,
+                checkpoints=None)
 
 
 def op_call(**a):

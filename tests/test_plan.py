@@ -19,6 +19,8 @@ def cpu_args(**over):
     return args
 
 
+POOL = torch.zeros(4, 2, 64, 64)  # a state pool of 4 slots for cpu_args' shapes
+
 BAD_INPUTS = {
     "q not a tensor": (TypeError, "q", dict(q=[1.0])),
     "q integer": (TypeError, "q", dict(q=torch.ones(1, 8, 2, 64, dtype=torch.int32))),
@@ -67,6 +69,45 @@ BAD_INPUTS = {
     "initial_state K-first with state_v_first": (ValueError, "state_v_first", dict(
         state_v_first=True, v=torch.randn(1, 8, 2, 128), initial_state=torch.zeros(1, 2, 64, 128))),
     "CPU tensors": (ValueError, "CUDA", dict()),
+    **{f"serving: {name}": (exc, words, {"output_final_state": False, **over}) for name, (exc, words, over) in {
+        "indices without a pool": (ValueError, "needs initial_state", dict(initial_state_indices=torch.tensor([0]))),
+        "indices float": (TypeError, "initial_state_indices must be int32", dict(
+            initial_state=POOL, initial_state_indices=torch.tensor([0.0]))),
+        "indices per token": (ValueError, r"initial_state_indices must have shape \[1\]", dict(
+            initial_state=POOL, initial_state_indices=torch.tensor([0, 1]))),
+        "pool with output_final_state": (ValueError, "output_final_state=False", dict(
+            initial_state=POOL, initial_state_indices=torch.tensor([0]), output_final_state=True)),
+        "pool row shape": (ValueError, "state pool.*shape", dict(
+            initial_state=torch.zeros(4, 2, 64, 32), initial_state_indices=torch.tensor([0]))),
+        "pool rows not dense": (ValueError, "dense", dict(
+            initial_state=torch.zeros(4, 2, 64, 64).transpose(2, 3), initial_state_indices=torch.tensor([0]))),
+        "pool float64": (TypeError, "initial_state", dict(
+            initial_state=POOL.double(), initial_state_indices=torch.tensor([0]))),
+        "indices_cpu alone": (ValueError, "without initial_state_indices", dict(
+            initial_state=POOL, initial_state_indices_cpu=torch.tensor([0]))),
+        "indices_cpu past the pool": (ValueError, "below the pool's 4 slots", dict(
+            initial_state=POOL, initial_state_indices=torch.tensor([4]), initial_state_indices_cpu=torch.tensor([4]))),
+        "indices_cpu a slot twice": (ValueError, "twice", dict(
+            cu_seqlens=torch.tensor([0, 3, 8]), initial_state=POOL, initial_state_indices=torch.tensor([2, 2]),
+            initial_state_indices_cpu=torch.tensor([2, 2]))),
+        "indices_cpu other length": (ValueError, "initial_state_indices_cpu must have shape", dict(
+            initial_state=POOL, initial_state_indices=torch.tensor([1]), initial_state_indices_cpu=torch.tensor([1, 2]))),
+        "has_initial_state int": (TypeError, "has_initial_state", dict(
+            initial_state=torch.zeros(1, 2, 64, 64), has_initial_state=torch.tensor([1]))),
+        "has_initial_state shape": (ValueError, "has_initial_state", dict(
+            initial_state=torch.zeros(1, 2, 64, 64), has_initial_state=torch.tensor([True, False]))),
+        "has_initial_state without a state": (ValueError, "needs initial_state", dict(
+            has_initial_state=torch.tensor([True]))),
+        "checkpoints too few rows": (ValueError, "checkpoints must have shape", dict(
+            q=torch.randn(1, 65, 2, 64), k=torch.randn(1, 65, 2, 64), v=torch.randn(1, 65, 2, 64),
+            g=torch.randn(1, 65, 2, 64), beta=torch.rand(1, 65, 2), checkpoints=torch.zeros(1, 1, 2, 64, 64))),
+        "checkpoints K-first with state_v_first": (ValueError, "checkpoints must have shape", dict(
+            state_v_first=True, v=torch.randn(1, 8, 2, 128), checkpoints=torch.zeros(1, 1, 2, 64, 128))),
+        "checkpoints short of the packed chunks": (ValueError, "checkpoints", dict(
+            cu_seqlens=torch.tensor([0, 3, 8]), cu_seqlens_cpu=torch.tensor([0, 3, 8]),
+            checkpoints=torch.zeros(1, 1, 2, 64, 64))),
+        "checkpoints int": (TypeError, "checkpoints", dict(checkpoints=torch.zeros(1, 1, 2, 64, 64, dtype=torch.int32))),
+    }.items()},
     "q requires grad": (RuntimeError, "forward-only.*q require grad", dict(q=torch.randn(1, 8, 2, 64, requires_grad=True))),
     "A_log a parameter": (RuntimeError, "A_log require grad", dict(A_log=torch.nn.Parameter(torch.randn(2)))),
 }
@@ -84,6 +125,21 @@ def test_bad_input_raises(case):
     exc, words, over = BAD_INPUTS[case]
     with pytest.raises(exc, match=words):
         kda_forward(**cpu_args(**over))
+
+
+@pytest.mark.parametrize("over", [
+    dict(initial_state=torch.zeros(4, 2 * 64 * 64 + 8)[:, :2 * 64 * 64].view(4, 2, 64, 64),
+         initial_state_indices=torch.tensor([3]), initial_state_indices_cpu=torch.tensor([3])),
+    dict(cu_seqlens=torch.tensor([0, 3, 8]), initial_state=POOL, initial_state_indices=torch.tensor([-1, 2]),
+         initial_state_indices_cpu=torch.tensor([-1, 2]), has_initial_state=torch.tensor([False, True])),
+    dict(cu_seqlens=torch.tensor([0, 3, 8]), cu_seqlens_cpu=torch.tensor([0, 3, 8]), checkpoints=torch.zeros(1, 2, 2, 64, 64)),
+    dict(cu_seqlens=torch.tensor([0, 3, 8]), checkpoints=torch.zeros(1, 1, 2, 64, 64)),  # no host lengths: not checked
+], ids=["padded pool rows", "-1 and a mask", "packed checkpoints", "packed checkpoints unchecked"])
+def test_serving_arguments_pass_validation(over):
+    """Pools with padded rows, −1 slots (no state), a mask and checkpoint buffers are taken: the CPU
+    tensors stop the call only at the device check."""
+    with pytest.raises(ValueError, match="CUDA"):
+        kda_forward(**cpu_args(output_final_state=False, **over))
 
 
 def test_transpose_state_layout_is_deprecated():

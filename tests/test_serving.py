@@ -1,0 +1,262 @@
+"""kda_forward as serving engines call it (docs/USAGE.md, "Serving"): a state pool read and written in
+place at initial_state_indices, has_initial_state, checkpoints after every chunk, and the in-place
+custom op under torch.compile and in CUDA graphs. GPU; validation is in tests/test_plan.py."""
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import kda_opt  # noqa: F401  registers the ops
+from kda_bench.inputs import random_inputs
+from kda_opt import kda_forward
+from kda_opt.forward import RUN_TENSORS, run
+from kda_opt.plan import Tuning, make_plan
+from tests.conftest import gpu
+
+LENS = [130, 1, 64, 0, 257]   # packed: a tail chunk, one token, one whole chunk, an empty sequence
+CALLS = {
+    "safe": dict(),
+    "softplus l2norm": dict(gate="softplus", l2norm=True),
+    "flashkda": dict(l2norm=True, beta_logits=True, state_v_first=True),
+}
+
+
+def tuned(args, tuning=Tuning(block_v=64)):
+    """kda_forward's numbers with stage 4's V block fixed, so that calls over different numbers of
+    sequences (which kda_opt/plan would give different blocks) compare bit for bit."""
+    return run(make_plan(**args, tuning=tuning), **{n: args.get(n) for n in RUN_TENSORS})
+
+
+def padded_pool(slots, HV, K, V, dtype, v_first, pad=48, seed=5):
+    """A pool [slots, HV, K, V] ([…, V, K] V-first) of random rows padded by `pad` elements, and its storage."""
+    flat = torch.randn(slots, HV * K * V + pad, generator=torch.Generator().manual_seed(seed)).to("cuda", dtype)
+    return flat[:, :HV * K * V].view((slots, HV, V, K) if v_first else (slots, HV, K, V)), flat
+
+
+def gathered(pool, idx, use):
+    """The dense initial states a pool call starts from: pool[idx[n]] where use[n], else zeros."""
+    rows = pool[idx.clamp(0, pool.shape[0] - 1)].float()
+    return torch.where(use[:, None, None, None], rows, 0.0).contiguous()
+
+
+@gpu
+@pytest.mark.parametrize("call", list(CALLS))
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_pool_equals_dense_call(call, pool_dtype, index_dtype):
+    """Packed sequences read their pool rows and write their final states back in place: o equals the
+    dense call's on the gathered states bit for bit, each written row is its final state in the
+    pool's dtype; a −1 slot and a false has_initial_state start from zeros, −1 writes nothing, and no
+    other row nor the padding changes. The call returns (o, None)."""
+    args = random_inputs(1, sum(LENS), 2, 128, seqlens=LENS, seed=7, output_final_state=False, **CALLS[call])
+    HV, K = 2, 128
+    pool, flat = padded_pool(9, HV, K, K, pool_dtype, args.get("state_v_first", False))
+    before = flat.clone()
+    idx = torch.tensor([4, -1, 0, 8, 2], dtype=index_dtype, device="cuda")
+    mask = torch.tensor([True, True, False, True, True], device="cuda")
+    dense = gathered(pool, idx, mask & (idx >= 0))
+    o_ref, s_ref = kda_forward(**{**args, "initial_state": dense, "output_final_state": True})
+    o, none = kda_forward(**args, initial_state=pool, initial_state_indices=idx, has_initial_state=mask,
+                          initial_state_indices_cpu=idx.cpu())
+    assert none is None and torch.equal(o, o_ref)
+    written = [n for n, s in enumerate(idx.tolist()) if s >= 0]
+    assert torch.equal(pool[idx[written]], s_ref[written].to(pool_dtype))
+    untouched = [r for r in range(9) if r not in idx.tolist()]
+    assert torch.equal(flat[untouched], before[untouched]) and torch.equal(flat[:, -48:], before[:, -48:])
+
+
+@gpu
+def test_pool_of_one_sequence_cut_into_time_segments():
+    """A lone long sequence cut into time segments: the first segment reads the pool row, the last
+    writes it; the same numbers as one pass."""
+    args = random_inputs(1, 1000, 2, 128, seed=8, output_final_state=False)
+    pool, _ = padded_pool(3, 2, 128, 128, torch.float32, False)
+    idx = torch.tensor([1], device="cuda")
+    one_pass, segmented = pool.clone(), pool.clone()
+    o = tuned({**args, "initial_state": one_pass, "initial_state_indices": idx})[0]
+    tuning = Tuning(block_v=64, segment_tokens=128)
+    pooled = {**args, "initial_state": segmented, "initial_state_indices": idx}
+    assert len(make_plan(**pooled, tuning=tuning).segments) > 1
+    o_seg = tuned(pooled, tuning)[0]
+    assert torch.equal(o_seg, o) and torch.equal(segmented, one_pass) and not torch.equal(one_pass, pool)
+
+
+def truncated(args, lens, n, stop):
+    """Sequence n of a packed call, alone and cut after its first `stop` tokens (B = 1, T = stop)."""
+    a = sum(lens[:n])
+    one = {name: x[:, a:a + stop] if name in ("q", "k", "v", "g", "beta") else x for name, x in args.items()}
+    one.pop("cu_seqlens"), one.pop("cu_seqlens_cpu")
+    if "initial_state" in one:
+        one["initial_state"] = args["initial_state"][n:n + 1]
+    return one
+
+
+@gpu
+@pytest.mark.parametrize("call", list(CALLS))
+@pytest.mark.parametrize("ck_dtype", [torch.float32, torch.bfloat16])
+def test_checkpoints_are_final_states_of_shorter_calls(call, ck_dtype):
+    """checkpoints[0, Σ_{m<n} cdiv(len_m, 64) + j] is sequence n's state after min(64(j + 1), len_n)
+    tokens: the final state of a call that stops there, bit for bit (in the buffer's dtype); the
+    rows past the chunks and o are untouched by asking."""
+    args = random_inputs(1, sum(LENS), 2, 128, seqlens=LENS, seed=9, initial_state=True, **CALLS[call])
+    chunks = [-(-n // 64) for n in LENS]
+    shape = (1, sum(chunks) + 2, 2, 128, 128)
+    ck = torch.full(shape, 7.0, device="cuda", dtype=ck_dtype)
+    o, s = tuned(args)
+    o_ck, s_ck = tuned({**args, "checkpoints": ck})
+    assert torch.equal(o_ck, o) and torch.equal(s_ck, s)
+    row = 0
+    for n, length in enumerate(LENS):
+        for j in range(chunks[n]):
+            _, s_j = tuned(truncated(args, LENS, n, min(64 * (j + 1), length)))
+            assert torch.equal(ck[0, row], s_j[0].to(ck_dtype)), (n, j)
+            row += 1
+    assert torch.equal(ck[0, row:], torch.full_like(ck[0, row:], 7.0))
+
+
+@gpu
+@pytest.mark.parametrize("segment_tokens", [None, 128])
+def test_checkpoints_of_a_batch(segment_tokens):
+    """B sequences of T tokens: checkpoints[b, j] after chunk j of sequence b, with a pool too (and
+    one lone sequence cut into time segments, each writing its own rows)."""
+    B = 1 if segment_tokens else 3
+    args = random_inputs(B, 300, 2, 128, seed=10, initial_state=True, state_v_first=True)
+    ck = torch.zeros(B, 5, 2, 128, 128, device="cuda")
+    tuning = Tuning(block_v=64, segment_tokens=segment_tokens or Tuning.segment_tokens)
+    _, s = tuned({**args, "checkpoints": ck}, tuning)
+    for j, stop in enumerate([64, 128, 192, 256, 300]):
+        cut = {n: x[:, :stop] if n in ("q", "k", "v", "g", "beta") else x for n, x in args.items()}
+        assert torch.equal(ck[:, j], tuned(cut)[1]), j
+    assert torch.equal(ck[:, -1], s)
+
+
+def op_arguments(**a):
+    """The ops' arguments: kda_forward's defaults, then `a`."""
+    defaults = dict(scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+                    use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, A_log=None,
+                    dt_bias=None, safe_gate=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
+                    chunk_size=64, transpose_state_layout=None, initial_state_indices=None, has_initial_state=None,
+                    checkpoints=None)
+    return {**defaults, **a}
+
+
+def test_in_place_op_declares_what_it_writes():
+    """forward_in_place's schema marks the pool and the checkpoints written (the compiler then orders
+    every later read after it); forward writes nothing. Its fake gives o like v and no final state."""
+    written = lambda op: {a.name for a in op.default._schema.arguments if a.alias_info and a.alias_info.is_write}
+    assert written(torch.ops.kda_opt.forward_in_place) == {"initial_state", "checkpoints"}
+    assert written(torch.ops.kda_opt.forward) == set()
+    with FakeTensorMode():
+        t = lambda *shape, dtype=torch.bfloat16: torch.empty(*shape, device="cuda", dtype=dtype)
+        o, final = torch.ops.kda_opt.forward_in_place(**op_arguments(
+            q=t(1, 300, 2, 128), k=t(1, 300, 2, 128), v=t(1, 300, 2, 64), g=t(1, 300, 2, 128), beta=t(1, 300, 2),
+            initial_state=t(9, 2, 64, 128, dtype=torch.float32), state_v_first=True,
+            initial_state_indices=t(3, dtype=torch.int32), cu_seqlens=t(4, dtype=torch.int32),
+            checkpoints=t(1, 8, 2, 64, 128, dtype=torch.float32)))
+    assert o.shape == (1, 300, 2, 64) and final.shape == (0,)
+
+
+def serving_call(seed):
+    """A packed Kimi-style call with a V-first fp32 pool (slot −1: a new request), its checkpoints,
+    and the pool and buffer it writes."""
+    args = random_inputs(1, sum(LENS), 2, 128, seqlens=LENS, seed=seed, output_final_state=False,
+                         **CALLS["flashkda"])
+    args.pop("cu_seqlens_cpu")
+    pool, _ = padded_pool(9, 2, 128, 128, torch.float32, True, seed=seed)
+    args.update(initial_state=pool, initial_state_indices=torch.tensor([4, -1, 0, 8, 2], device="cuda"),
+                has_initial_state=torch.tensor([True, True, False, True, True], device="cuda"),
+                checkpoints=torch.zeros(1, 9, 2, 128, 128, device="cuda"))
+    return args
+
+
+@gpu
+def test_compiled_pool_call_equals_eager():
+    """Under torch.compile(fullgraph=True) the pool and checkpoints are written as in the eager call,
+    bit for bit, and o is the same; opcheck passes on the in-place op."""
+    eager, compiled = serving_call(11), serving_call(11)
+    step = lambda a: kda_forward(**a)[0]
+    o = step(eager)
+    oc = torch.compile(step, fullgraph=True)(compiled)
+    assert torch.equal(oc, o)
+    assert torch.equal(compiled["initial_state"], eager["initial_state"])
+    assert torch.equal(compiled["checkpoints"], eager["checkpoints"])
+    torch.library.opcheck(torch.ops.kda_opt.forward_in_place.default, (), op_arguments(**serving_call(12)))
+
+
+@gpu
+def test_pool_call_in_a_cuda_graph():
+    """Captured once, replayed on new inputs, slots and mask copied into the captured ones: the pool
+    and checkpoints as the eager call writes them."""
+    static = serving_call(13)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        kda_forward(**static)                  # JIT compiles stay out of the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, _ = kda_forward(**static)
+    new = serving_call(14)
+    new["initial_state_indices"] = torch.tensor([1, 3, -1, 7, 5], device="cuda")
+    for name, x in new.items():
+        if isinstance(x, torch.Tensor):
+            static[name].copy_(x)
+    graph.replay()
+    o_eager, _ = kda_forward(**new)
+    assert torch.equal(o, o_eager)
+    assert torch.equal(static["initial_state"], new["initial_state"])
+    assert torch.equal(static["checkpoints"], new["checkpoints"])
+
+
+@gpu
+def test_serving_step_example():
+    """examples/serving_step.py: each request as run alone, and the compiled step and a CUDA graph
+    replay equal to the eager step, bit for bit."""
+    from examples import serving_step
+    step = serving_step.make_step()
+    assert serving_step.worst_difference(step) < 2e-3
+    (o, pool, ck), *others = serving_step.compiled_and_graphed(step)
+    for o2, pool2, ck2 in others:
+        assert torch.equal(o, o2) and torch.equal(pool, pool2) and torch.equal(ck, ck2)
+
+
+def fused_views(args):
+    """q, k, v and beta of `args` as views of one [B, T, 2HK + HV·V + HV + pad] projection (as an
+    engine splits a fused output; beta's HV columns padded to a multiple of 8, so that rows stay
+    16-byte aligned), and the projection."""
+    beta = args["beta"]
+    pad = beta.new_zeros(*beta.shape[:2], -beta.shape[2] % 8)
+    parts = [args[n].flatten(2) for n in ("q", "k", "v")] + [beta, pad]
+    fused = torch.cat([p.to(args["q"].dtype) for p in parts], dim=-1)
+    views = dict(zip(("q", "k", "v", "beta"), fused.split([p.shape[-1] for p in parts], dim=-1)))
+    for n in ("q", "k", "v"):
+        views[n] = views[n].unflatten(-1, args[n].shape[2:])
+    return views, fused
+
+
+def test_token_rows_reads_views_and_copies_the_rest():
+    """Views of a fused projection are read through their strides; a transposed or misaligned
+    tensor, or a batch whose entries are not evenly spaced, is copied."""
+    from kda_opt.forward import _token_rows
+    args = random_inputs(2, 16, 2, 64, device="cpu", dtype=torch.float32)
+    views, _ = fused_views(args)
+    for n, x in views.items():
+        assert _token_rows(x) is x and not x.is_contiguous(), n
+    q = args["q"]
+    assert _token_rows(q.transpose(2, 3).contiguous().transpose(2, 3)).is_contiguous()
+    odd = torch.randn(2, 16, 2 * 64 + 1)[..., 1:].unflatten(-1, (2, 64))      # rows 4 bytes off 16
+    assert _token_rows(odd) is not odd
+    uneven = torch.randn(2, 20, 2, 64)[:, :16]                                 # batch stride ≠ T · token stride
+    assert _token_rows(uneven) is not uneven
+
+
+@gpu
+@pytest.mark.parametrize("call", ["safe", "flashkda"])
+def test_views_of_a_fused_projection(call):
+    """q, k, v and beta as views of one fused projection give the contiguous call's numbers bit for
+    bit, fixed-length (B = 2) and packed."""
+    for shape, lens in (((2, 300), None), ((1, sum(LENS)), LENS)):
+        args = random_inputs(shape[0], shape[1], 2, 128, seqlens=lens, seed=15, initial_state=True, **CALLS[call])
+        views, _ = fused_views(args)
+        o, s = kda_forward(**args)
+        o_v, s_v = kda_forward(**{**args, **views})
+        assert torch.equal(o_v, o) and torch.equal(s_v, s)
