@@ -1,5 +1,6 @@
 """Shared test helpers: device tiers and the one error measure every test uses."""
 import os
+import sys
 
 import pytest
 import torch
@@ -23,3 +24,13 @@ def gpu(test):
 def kernel_device() -> str:
     """Where Triton stage kernels run in this session: the GPU, or the CPU under the interpreter."""
     return "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def fla_stays_fla():
+    """FLA's chunk_kda is FLA's own in every test: kda_opt registered with it (kda_opt.use_in_fla,
+    in a test or a docs example) is removed after the test, as FLA has no way to unregister."""
+    yield
+    backends = sys.modules.get("fla.backends")
+    for registry in getattr(backends, "_function_registries", {}).values():
+        registry._backends.pop("kda_opt", None)

@@ -1,0 +1,107 @@
+"""kda_opt as a backend of FLA 0.6.0's `chunk_kda`: after `kda_opt.use_in_fla()`, calls of
+`fla.ops.kda.chunk_kda` that kda_opt computes as FLA would (forward only, Hopper, K and V of 64 or
+128, chunk size 64; `KdaOptBackend.chunk_kda_verifier` lists them) run `kda_forward`; every other
+call runs FLA's own path. Set `FLA_KDA_OPT=0` to opt out.
+
+fla is imported by `use_in_fla` only: `import kda_opt` works without it.
+"""
+import functools
+
+import torch
+
+from . import forward
+
+# chunk_kda's keywords past its named parameters that kda_opt takes; any other keyword is left to FLA.
+EXTRA_KEYWORDS = ("A_log", "dt_bias", "chunk_size", "transpose_state_layout", "initial_state_indices",
+                  "has_initial_state")
+# Passed on to kda_forward only when the caller gave them, so that kda_forward's defaults hold.
+PASSED_WHEN_GIVEN = ("chunk_size", "transpose_state_layout", "initial_state_indices", "has_initial_state")
+
+
+def use_in_fla() -> None:
+    """Register kda_opt as a backend of `fla.ops.kda.chunk_kda`, ahead of FlashKDA.
+
+    Calling it again is harmless: FLA's registry holds one backend per type, so the entry is replaced.
+    """
+    from fla.backends import register
+    from fla.ops.kda import chunk_kda
+
+    register(chunk_kda)(_backend_class())
+
+
+def _on_hopper(device: torch.device) -> bool:
+    """Whether the device is a CUDA GPU of compute capability 9.x, the only one kda_opt runs on."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+@functools.cache
+def _backend_class():
+    """KdaOptBackend, built once: its base class comes from fla, imported only here."""
+    from fla.backends import BaseBackend
+
+    class KdaOptBackend(BaseBackend):
+        """kda_opt's forward for the chunk_kda calls it computes as FLA does (see the verifier)."""
+
+        backend_type = "kda_opt"
+        package_name = "kda_opt"
+        env_var = "FLA_KDA_OPT"
+        default_enable = True
+        priority = 2            # lower runs first: ahead of FlashKDA (3)
+
+        # Both methods take chunk_kda's parameters as chunk_kda declares them, since FLA's dispatch
+        # passes the call's positional and keyword arguments on unchanged.
+        def chunk_kda_verifier(self, q, k, v, g, beta, scale=None, initial_state=None,
+                               output_final_state=False, use_qk_l2norm_in_kernel=False,
+                               use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                               allow_neg_eigval=False, safe_gate=False, lower_bound=None,
+                               disable_recompute=False, return_intermediate_states=False,
+                               state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, cp_context=None,
+                               use_graph=False, max_num_seqs=None, **kwargs) -> tuple[bool, str | None]:
+            """(True, None) if kda_opt takes the call, else (False, the reason)."""
+            unknown = [name for name in kwargs if name not in EXTRA_KEYWORDS]
+            if unknown:
+                return False, f"unknown keyword {unknown[0]}"
+            if torch.is_grad_enabled():
+                tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state,
+                           "A_log": kwargs.get("A_log"), "dt_bias": kwargs.get("dt_bias")}
+                wants_grad = [name for name, x in tensors.items() if x is not None and x.requires_grad]
+                if wants_grad:
+                    return False, f"forward only: {wants_grad[0]} requires grad"
+            if not _on_hopper(q.device):
+                return False, f"needs a CUDA GPU of compute capability 9.x, q is on {q.device}"
+            if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+                return False, f"q's dtype {q.dtype} is not bf16, fp16 or fp32"
+            if q.shape[-1] not in (64, 128):
+                return False, f"head dim K = {q.shape[-1]} is not 64 or 128"
+            if v.shape[-1] not in (64, 128):
+                return False, f"head dim V = {v.shape[-1]} is not 64 or 128"
+            if cp_context is not None:
+                return False, "context parallelism (cp_context)"
+            if return_intermediate_states:
+                return False, "return_intermediate_states=True"
+            # FLA's graph mode has its own contract (cu_seqlens padded to max_num_seqs + 1, rows past
+            # the real tokens undefined); kda_opt needs none of it, but the call stays FLA's.
+            if use_graph:
+                return False, "use_graph=True"
+            if kwargs.get("chunk_size", 64) != 64:
+                return False, f"chunk_size {kwargs['chunk_size']} (kda_opt computes 64 only)"
+            return True, None
+
+        def chunk_kda(self, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                      use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                      allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
+                      return_intermediate_states=False, state_v_first=False, cu_seqlens=None,
+                      cu_seqlens_cpu=None, cp_context=None, use_graph=False, max_num_seqs=None, **kwargs):
+            """kda_forward on chunk_kda's arguments; returns (o, final_state) as chunk_kda does."""
+            # chunk_kda ignores A_log and dt_bias without the gate in kernel; kda_forward rejects them.
+            A_log, dt_bias = (kwargs.get("A_log"), kwargs.get("dt_bias")) if use_gate_in_kernel else (None, None)
+            # Looked up through the module at each call, so that tests can stand in for kda_forward.
+            return forward.kda_forward(
+                q, k, v, g, beta, scale, initial_state, output_final_state,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                A_log=A_log, dt_bias=dt_bias, safe_gate=safe_gate, lower_bound=lower_bound,
+                state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                **{name: kwargs[name] for name in PASSED_WHEN_GIVEN if name in kwargs})
+
+    return KdaOptBackend

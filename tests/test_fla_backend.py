@@ -1,0 +1,207 @@
+"""kda_opt as FLA's chunk_kda backend (kda_opt/fla_backend): registration, the verifier's decision on
+each condition, the FLA_KDA_OPT switch, and dispatch reaching kda_forward (CPU, kda_forward stood in
+for); on the GPU, chunk_kda's result is kda_forward's."""
+import inspect
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kda_opt
+from kda_opt import fla_backend, forward
+from tests.conftest import gpu, rel_err
+
+fla_backends = pytest.importorskip("fla.backends")
+from fla.ops.kda import chunk_kda  # noqa: E402  after importorskip: fla is a test dependency
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """chunk_kda's backend registry with kda_opt registered (and enabled); restored to FLA's own
+    backends after."""
+    monkeypatch.delenv("FLA_KDA_OPT", raising=False)
+    registry = fla_backends._function_registries[inspect.unwrap(chunk_kda)]
+    kda_opt.use_in_fla()
+    yield registry
+    registry._backends.pop("kda_opt", None)
+
+
+@pytest.fixture
+def backend(registry):
+    return registry._backends["kda_opt"]
+
+
+def kimi_call(device="meta", dtype=torch.bfloat16, B=1, T=8, H=2, K=128, V=128):
+    """chunk_kda's keyword arguments for a Kimi-style call (raw q/k, β logits, gate in kernel)."""
+    def x(*shape, dt=dtype):
+        return torch.randn(*shape, device=device, dtype=dt)
+    return dict(q=x(B, T, H, K), k=x(B, T, H, K), v=x(B, T, H, V), g=x(B, T, H, K), beta=x(B, T, H),
+                initial_state=x(B, H, K, V, dt=torch.float32), output_final_state=True,
+                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                A_log=x(H, dt=torch.float32), dt_bias=x(H * K, dt=torch.float32))
+
+
+@pytest.fixture
+def on_hopper(monkeypatch):
+    """The verifier's device check passes for any tensor, so CPU and meta tensors can be judged."""
+    monkeypatch.setattr(fla_backend, "_on_hopper", lambda device: True)
+
+
+# ---- import and registration ----
+
+def test_import_needs_no_fla():
+    code = "import sys, kda_opt; assert callable(kda_opt.use_in_fla); print('fla' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["False"]
+
+
+def test_registered_ahead_of_flash_kda(registry):
+    ours = registry._backends["kda_opt"]
+    assert (ours.backend_type, ours.package_name, ours.env_var) == ("kda_opt", "kda_opt", "FLA_KDA_OPT")
+    assert ours.priority < registry._backends["flash_kda"].priority
+    assert registry._get_sorted_backends()[0] is ours
+
+
+def test_use_in_fla_twice_registers_once(registry):
+    kda_opt.use_in_fla()
+    assert [b.backend_type for b in registry._backends.values()].count("kda_opt") == 1
+
+
+def test_fla_kda_opt_0_disables(registry, backend, monkeypatch):
+    assert backend.is_enabled() and registry.get_active() is backend
+    monkeypatch.setenv("FLA_KDA_OPT", "0")
+    assert not backend.is_enabled() and registry.get_active() is not backend
+
+
+# ---- the verifier ----
+
+def test_on_hopper_is_compute_capability_9(monkeypatch):
+    assert not fla_backend._on_hopper(torch.device("cpu"))
+    for capability, hopper in (((9, 0), True), ((8, 0), False), ((10, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        assert fla_backend._on_hopper(torch.device("cuda", 0)) is hopper
+
+
+def test_verifier_rejects_off_hopper(backend, monkeypatch):
+    monkeypatch.setattr(fla_backend, "_on_hopper", lambda device: False)
+    accepted, reason = backend.chunk_kda_verifier(**kimi_call())
+    assert not accepted and "compute capability 9" in reason
+
+
+def test_verifier_accepts_kimi_call_and_options(backend, on_hopper):
+    for changes in ({}, dict(dtype=torch.float16), dict(dtype=torch.float32), dict(K=64, V=64),
+                    dict(K=64), dict(V=64)):
+        assert backend.chunk_kda_verifier(**kimi_call(**changes)) == (True, None), changes
+    for extra in (dict(disable_recompute=True), dict(chunk_size=64), dict(transpose_state_layout=True),
+                  dict(initial_state_indices=None), dict(has_initial_state=None), dict(state_v_first=True)):
+        assert backend.chunk_kda_verifier(**kimi_call(), **extra) == (True, None), extra
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias"])
+def test_verifier_rejects_inputs_that_require_grad(backend, on_hopper, name):
+    call = kimi_call()
+    call[name].requires_grad_()
+    accepted, reason = backend.chunk_kda_verifier(**call)
+    assert not accepted and reason == f"forward only: {name} requires grad"
+    with torch.no_grad():
+        assert backend.chunk_kda_verifier(**call) == (True, None)
+
+
+@pytest.mark.parametrize("changes,words", [
+    (dict(dtype=torch.float64), "torch.float64"),
+    (dict(K=32), "K = 32"),
+    (dict(K=256), "K = 256"),
+    (dict(V=32), "V = 32"),
+    (dict(V=256), "V = 256"),
+])
+def test_verifier_rejects_shapes_and_dtypes(backend, on_hopper, changes, words):
+    accepted, reason = backend.chunk_kda_verifier(**kimi_call(**changes))
+    assert not accepted and words in reason
+
+
+@pytest.mark.parametrize("extra,words", [
+    (dict(cp_context=object()), "cp_context"),
+    (dict(return_intermediate_states=True), "return_intermediate_states"),
+    (dict(use_graph=True), "use_graph"),
+    (dict(use_graph=True, max_num_seqs=4), "use_graph"),
+    (dict(chunk_size=32), "chunk_size 32"),
+    (dict(checkpoints=None), "unknown keyword checkpoints"),
+])
+def test_verifier_rejects_options(backend, on_hopper, extra, words):
+    accepted, reason = backend.chunk_kda_verifier(**kimi_call(), **extra)
+    assert not accepted and words in reason
+
+
+# ---- dispatch from chunk_kda (CPU: kda_forward stood in for by a recorder) ----
+
+@pytest.fixture
+def recorder(monkeypatch):
+    calls = []
+
+    def record(*args, **kwargs):
+        calls.append((args, kwargs))
+        return "o", "final_state"
+    monkeypatch.setattr(forward, "kda_forward", record)
+    return calls
+
+
+def test_chunk_kda_reaches_kda_forward(registry, on_hopper, recorder):
+    call = kimi_call(device="cpu")
+    lens = torch.tensor([0, 3, 8])
+    assert chunk_kda(**call, cu_seqlens=lens, cu_seqlens_cpu=lens, safe_gate=True, lower_bound=-5.0,
+                     chunk_size=64) == ("o", "final_state")
+    (args, kwargs), = recorder
+    positional = ("q", "k", "v", "g", "beta")
+    assert all(a is call[n] for a, n in zip(args, positional)) and len(args) == 8
+    assert args[5:] == (None, call["initial_state"], True)          # scale, initial_state, output_final_state
+    assert kwargs["A_log"] is call["A_log"] and kwargs["dt_bias"] is call["dt_bias"]
+    assert kwargs["cu_seqlens"] is lens and kwargs["cu_seqlens_cpu"] is lens
+    assert {n: kwargs[n] for n in ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
+                                   "allow_neg_eigval", "safe_gate", "lower_bound", "state_v_first", "chunk_size")} == \
+        dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+             allow_neg_eigval=False, safe_gate=True, lower_bound=-5.0, state_v_first=False, chunk_size=64)
+    assert not {"transpose_state_layout", "initial_state_indices", "has_initial_state"} & kwargs.keys()
+
+
+def test_chunk_kda_positional_call_and_passed_keywords(registry, on_hopper, recorder):
+    c = kimi_call(device="cpu")
+    indices, mask = torch.tensor([1]), torch.tensor([True])
+    chunk_kda(c["q"], c["k"], c["v"], c["g"], c["beta"], 0.5, c["initial_state"], False, False, False,
+              transpose_state_layout=True, initial_state_indices=indices, has_initial_state=mask)
+    (args, kwargs), = recorder
+    assert args[5:] == (0.5, c["initial_state"], False)
+    assert kwargs["transpose_state_layout"] is True
+    assert kwargs["initial_state_indices"] is indices and kwargs["has_initial_state"] is mask
+
+
+def test_gate_parameters_dropped_without_gate_in_kernel(registry, on_hopper, recorder):
+    # chunk_kda ignores A_log and dt_bias unless the gate is in kernel; kda_forward would reject them.
+    chunk_kda(**{**kimi_call(device="cpu"), "use_gate_in_kernel": False})
+    (_, kwargs), = recorder
+    assert kwargs["A_log"] is None and kwargs["dt_bias"] is None
+
+
+# ---- GPU: chunk_kda's result is kda_forward's ----
+
+@gpu
+def test_chunk_kda_is_kda_forward_on_gpu(registry, monkeypatch):
+    torch.manual_seed(0)
+    call = kimi_call(device="cuda", T=300, H=4)
+    calls = []
+    real = forward.kda_forward
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(forward, "kda_forward", spy)
+    with torch.inference_mode():
+        o, state = chunk_kda(**call)
+        assert len(calls) == 1
+        o_ours, state_ours = real(**call)
+        assert torch.equal(o, o_ours) and torch.equal(state, state_ours)
+        monkeypatch.setenv("FLA_KDA_OPT", "0")
+        o_fla, state_fla = chunk_kda(**call)
+    assert len(calls) == 1                                          # FLA's own path ran
+    assert rel_err(o_fla, o_ours) < 1e-2 and rel_err(state_fla, state_ours) < 1e-2
