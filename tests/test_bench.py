@@ -267,3 +267,25 @@ def test_flashkda_call_and_refusals(monkeypatch):
         assert call is None and "FlashKDA computes only" in why_not, over
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "flash_kda" else real(name))
     assert peers.flashkda(args) == (None, "flash_kda is not installed")
+
+
+def test_serving_step_row(monkeypatch):
+    """A serving-step case (config serving) times kda_forward with the pool in place, the dense call,
+    the pool call with checkpoints and FLA around a gather and a scatter, and says what the pool and
+    the checkpoints cost."""
+    import triton.testing
+    times = iter(range(1, 100))
+    monkeypatch.setattr(triton.testing, "do_bench", lambda f, **kw: float(next(times)))
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(bench.peers, "flashkda", lambda args: (None, "not here"))
+    case = bench.Case(1, 100, 2, 64, "safe", -5.0, torch.float32, 0, seqlens=(30, 70), config="serving")
+    monkeypatch.setattr(bench.Case, "inputs", lambda self: bench.random_inputs(
+        1, 100, 2, 64, device="cpu", seqlens=[30, 70], initial_state=True, **bench.CONFIGS["serving"]))
+    calls = []
+    forward = lambda **a: calls.append(sorted(n for n in ("initial_state_indices", "checkpoints") if n in a))
+    fla = lambda **a: (None, a["initial_state"] + 1)      # a final state to scatter
+    row = bench.benchmark(case, fla, 1, 1, (1e12, 1e12), forward)
+    assert [] in calls and ["initial_state_indices"] in calls and ["checkpoints", "initial_state_indices"] in calls
+    assert all(isinstance(row[n], float) for n in ("kda_opt_dense_ms", "pool_cost_pct", "kda_opt_ckpt_ms",
+                                                   "ckpt_cost_pct"))
+    assert row["config"] == "serving" and row["flashkda_ms"] == bench.NOT_RUN

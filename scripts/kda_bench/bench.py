@@ -22,7 +22,7 @@ import torch
 
 from kda_opt.reference import ERROR_FLOOR, error_bound, rel_err
 
-from . import peers
+from . import peers, serving
 from .inputs import DECAYS, random_inputs
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -31,6 +31,8 @@ CONFIGS = {
     "default": {},
     "l2norm": dict(l2norm=True),                                            # Kimi-Linear's layer
     "flashkda": dict(l2norm=True, beta_logits=True, state_v_first=True),    # FlashKDA's only one
+    # Kimi-Linear's call with a state pool: the serving step (kda_bench/serving)
+    "serving": dict(l2norm=True, beta_logits=True, state_v_first=True),
 }
 # The float64 recurrence walks T token by token over [B, HV, K, V] float64 states: keep it under
 # this many state elements × tokens (about a second on a GPU) by trimming T, and say so.
@@ -45,6 +47,9 @@ PEER_PACKED = [((1300, 547, 2048, 963, 271, 3063), 96), ((1024,) * 8, 96)]
 SWEEP_SHAPES = list(dict.fromkeys(PEER_SHAPES + [(1, 1024 * 2 ** i, 32) for i in range(7)]))
 MIN_SEQ_LEN, NUM_SEQS = 64, 64
 SWEEP_PACKED = [("drawn", 32)] + PEER_PACKED
+# Serving steps at Kimi-Linear's H = 32 (CONFIGS["serving"]): the peers' six-request mix, and 64
+# requests drawn in [MIN_SEQ_LEN, 1024] (seed 1).
+SERVING_STEPS = [((1300, 547, 2048, 963, 271, 3063), 32), ("drawn short", 32)]
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -137,10 +142,11 @@ def parse_args(argv=None):
     p.add_argument("--sweep-gates", help="gate modes the sweep runs (default safe,softplus; safe with "
                                          "--config flashkda); its rows replace those of the same case "
                                          "in an existing CSV, so a sweep can be run in parts")
-    p.add_argument("--sweep-rows", choices=["all", "shapes", "serving", "peers"], default="all",
+    p.add_argument("--sweep-rows", choices=["all", "shapes", "serving", "peers", "step"], default="all",
                    help="which of the sweep's rows run: all; shapes (fixed-length SWEEP_SHAPES); serving "
                         "(the packed mixes and the l2norm row); peers (the peers' rows: PEER_SHAPES, then "
-                        "PEER_PACKED)")
+                        "PEER_PACKED); step (the serving step with a state pool, SERVING_STEPS: "
+                        "kda_bench/serving)")
     p.add_argument("--out-dir", default="profiles", help="where --sweep writes its CSV and PNG")
     args = p.parse_args(argv)
     if args.chunk_size != 64:
@@ -201,6 +207,9 @@ def sweep_cases(args):
                            for lens, H in SWEEP_PACKED)
             if args.config == "default":
                 cases.append(at(config="l2norm"))
+        if args.sweep_rows == "step":
+            drawn = lambda lens: varlen_lengths(NUM_SEQS, 1024, 1) if lens == "drawn short" else lens
+            cases += [at(config="serving", T=sum(drawn(lens)), H=H, seqlens=drawn(lens)) for lens, H in SERVING_STEPS]
     return cases
 
 
@@ -290,13 +299,17 @@ def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
     if kda_forward is None:
         from kda_opt import kda_forward
     args = c.inputs()
-    runs = {"fla": lambda: fla(**args), "kda_opt": lambda: kda_forward(**args)}
-    if c.initial_state:
-        stateless = {**args, "initial_state": None}
-        runs["kda_opt_no_state"] = lambda: kda_forward(**stateless)
-    flashkda, why_not = peers.flashkda(args)
-    if flashkda:
-        runs["flashkda"] = flashkda
+    if c.config == "serving":
+        runs, why_not = serving.step_runs(args, fla, kda_forward, c.seed)
+    else:
+        runs = {"fla": lambda: fla(**args), "kda_opt": lambda: kda_forward(**args)}
+        if c.initial_state:
+            stateless = {**args, "initial_state": None}
+            runs["kda_opt_no_state"] = lambda: kda_forward(**stateless)
+        call, why_not = peers.flashkda(args)
+        if call:
+            runs["flashkda"] = call
+    flashkda = "flashkda" in runs
     for f in runs.values():  # JIT and FLA's autotuning stay out of the timings
         f()
     torch.cuda.synchronize()
@@ -308,11 +321,14 @@ def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
     ours_ms = ms["kda_opt"]
     bw, rate = ceilings
     nbytes, flops = min_bytes(c), min_flops(c)
+    cost = lambda base, over: 100 * (ms[over] / ms[base] - 1) if base in ms and over in ms else NOT_RUN
     row = dict(B=c.B, T=c.T, H=c.H, K=c.K, V=c.K, mode=c.gate, varlen=len(c.seqlens or ()), config=c.config,
                initial_state=int(c.initial_state), decay=c.decay,
                fla_ms=ms["fla"], kda_opt_ms=ours_ms, speedup=ms["fla"] / ours_ms,
                kda_opt_no_state_ms=ms.get("kda_opt_no_state", NOT_RUN),
-               state_cost_pct=100 * (ours_ms / ms["kda_opt_no_state"] - 1) if c.initial_state else NOT_RUN,
+               state_cost_pct=cost("kda_opt_no_state", "kda_opt"),
+               kda_opt_dense_ms=ms.get("kda_opt_dense", NOT_RUN), pool_cost_pct=cost("kda_opt_dense", "kda_opt"),
+               kda_opt_ckpt_ms=ms.get("kda_opt_ckpt", NOT_RUN), ckpt_cost_pct=cost("kda_opt", "kda_opt_ckpt"),
                flashkda_ms=ms.get("flashkda", NOT_RUN),
                speedup_vs_flashkda=ms["flashkda"] / ours_ms if flashkda else NOT_RUN,
                tbps=nbytes / (ours_ms * 1e-3) / 1e12, tflops=flops / (ours_ms * 1e-3) / 1e12,
@@ -321,7 +337,12 @@ def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
                fla_flash_kda=os.environ.get("FLA_FLASH_KDA", ""))
     peer = (f"FlashKDA {ms['flashkda']:.3f} ms ({row['speedup_vs_flashkda']:.2f}×)" if flashkda
             else f"FlashKDA n/a ({why_not})")
-    state = f" (no state {ms['kda_opt_no_state']:.3f} ms: {row['state_cost_pct']:+.1f} %)" if c.initial_state else ""
+    state = ""
+    if "kda_opt_no_state" in ms:
+        state = f" (no state {ms['kda_opt_no_state']:.3f} ms: {row['state_cost_pct']:+.1f} %)"
+    if c.config == "serving":
+        state = (f" (pool {row['pool_cost_pct']:+.1f} % over the dense call {ms['kda_opt_dense']:.3f} ms; checkpoints "
+                 f"{ms['kda_opt_ckpt']:.3f} ms, {row['ckpt_cost_pct']:+.1f} %)")
     print(f"  {c.label}: FLA {ms['fla']:.3f} ms  kda_opt {ours_ms:.3f} ms{state}  speedup {row['speedup']:.2f}×  "
           f"{peer}  {row['tbps']:.2f} TB/s ({row['bytes_floor_pct']:.0f}% of bytes floor)  "
           f"{row['tflops']:.0f} TFLOP/s ({row['flops_floor_pct']:.0f}% of FLOP floor)")
@@ -334,17 +355,22 @@ def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
 # initial_state: 1 where every system got one; decay: inputs.DECAYS; kda_opt_no_state_ms /
 # state_cost_pct: kda_forward without the state, and what the state costs it (NOT_RUN without one);
 # flashkda_ms / speedup_vs_flashkda: NOT_RUN where FlashKDA cannot compute the case; fla_flash_kda:
-# FLA_FLASH_KDA as FLA saw it ("0": FLA on its own Triton path).
+# FLA_FLASH_KDA as FLA saw it ("0": FLA on its own Triton path). Serving-step rows (config serving,
+# kda_bench/serving): fla_ms and flashkda_ms gather, call and scatter; kda_opt_ms reads and writes the
+# pool in place; kda_opt_dense_ms / pool_cost_pct: the call on gathered states, and what the pool adds;
+# kda_opt_ckpt_ms / ckpt_cost_pct: the pool call with checkpoints after every chunk, and what they add.
 CSV_FIELDS = ["B", "T", "H", "K", "V", "mode", "varlen", "config", "initial_state", "decay", "fla_ms",
               "kda_opt_ms", "speedup", "kda_opt_no_state_ms", "state_cost_pct", "flashkda_ms",
-              "speedup_vs_flashkda", "tbps", "tflops", "bytes_floor_pct", "flops_floor_pct", "fla_flash_kda"]
+              "speedup_vs_flashkda", "tbps", "tflops", "bytes_floor_pct", "flops_floor_pct", "fla_flash_kda",
+              "kda_opt_dense_ms", "pool_cost_pct", "kda_opt_ckpt_ms", "ckpt_cost_pct"]
 ROW_KEY = ("B", "T", "H", "K", "mode", "varlen", "config", "initial_state", "decay")
 # Rows of CSVs written before these columns existed: fixed-length batches in the default
 # configuration, no initial state, A_log and dt_bias ~ 0.5·N(0, 1), FlashKDA not timed, FLA on its
 # Triton path (the CLI has set FLA_FLASH_KDA=0 since its first version).
 ROW_DEFAULTS = {"varlen": 0, "config": "default", "initial_state": 0, "decay": "0.5N(0,1)",
                 "kda_opt_no_state_ms": NOT_RUN, "state_cost_pct": NOT_RUN, "flashkda_ms": NOT_RUN,
-                "speedup_vs_flashkda": NOT_RUN, "fla_flash_kda": "0"}
+                "speedup_vs_flashkda": NOT_RUN, "fla_flash_kda": "0", "kda_opt_dense_ms": NOT_RUN,
+                "pool_cost_pct": NOT_RUN, "kda_opt_ckpt_ms": NOT_RUN, "ckpt_cost_pct": NOT_RUN}
 
 
 def read_csv(path):
