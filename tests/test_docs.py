@@ -1,5 +1,5 @@
-"""The examples of README.md and docs/USAGE.md run as written (GPU): README's alone, each of USAGE's
-from that page's setup block (its first)."""
+"""The examples of README.md and docs/USAGE.md run as written (GPU): README's each alone, each of
+USAGE's from that page's setup block (its first)."""
 import pathlib
 import re
 
@@ -15,7 +15,7 @@ def blocks(page):
 
 
 def test_pages_have_examples():
-    assert len(blocks("README.md")) == 1 and len(blocks("docs/USAGE.md")) >= 7
+    assert len(blocks("README.md")) == 2 and len(blocks("docs/USAGE.md")) >= 9
 
 
 @gpu
@@ -23,6 +23,16 @@ def test_readme_example():
     scope = {}
     exec(blocks("README.md")[0], scope)
     assert scope["o"].shape == scope["v"].shape and scope["final_state"].shape == scope["h0"].shape
+
+
+@gpu
+def test_readme_serving_example():
+    """The pool example: the rows of the requests with a state change, the others stay zero."""
+    scope = {}
+    exec(blocks("README.md")[1], scope)
+    pool = scope["pool"]
+    assert scope["o"].shape == scope["v"].shape and pool[[5, 9, 2]].abs().sum(dim=(1, 2, 3)).min() > 0
+    assert pool[[r for r in range(64) if r not in (5, 9, 2)]].abs().max() == 0
 
 
 @gpu
