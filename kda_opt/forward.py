@@ -143,8 +143,9 @@ def kda_forward(
     autograd: with gradients enabled, inputs that require grad raise a RuntimeError (call it under
     ``torch.no_grad()`` or ``torch.inference_mode()``, as serving engines do).
 
-    Supported head dims: K and V each 64 or 128 (any pair). Inputs that are not contiguous are made
-    contiguous (a copy). Bad inputs raise ValueError or TypeError naming the argument before any
+    Supported head dims: K and V each 64 or 128 (any pair). q, k, v and beta whose tokens are dense,
+    evenly spaced rows (views split from one fused projection) are read through their strides; other
+    inputs that are not contiguous are copied first. Bad inputs raise ValueError or TypeError naming the argument before any
     kernel runs. No host-device synchronisation. kda_opt.plan.make_plan(...) takes the same
     arguments and returns the call's resolved options and launch choices without running it.
 
@@ -262,7 +263,7 @@ def _pipelined(plan: Plan, q, k, v, g, beta, state, checkpoints, prepare, stage4
     handed = [_final_state(plan, v), _final_state(plan, v)]
     last = len(plan.segments) - 1
     for i, (t0, t1) in enumerate(plan.segments):
-        part = lambda x: x[:, t0:t1]            # B = 1: a contiguous view
+        part = lambda x: x[:, t0:t1]            # B = 1: a view of whole token rows
         with torch.cuda.stream(side):
             made = prepare(part(q), part(k), part(g), part(beta))
             ready = side.record_event()

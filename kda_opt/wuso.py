@@ -228,8 +228,9 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
          checkpoint_rows=None, cu_seqlens=None, qk_rstd=None, state_v_first: bool = False, beta_residual=None,
          out=None, worker_warps: int = WORKER_WARPS):
     """Stage 4 on the current stream: o [B, T, HV, V] (v's dtype), returned; the final states written
-    into final_state. Inputs as in the module docstring, contiguous (kda_forward validates them);
-    absent ones None; cu_seqlens [N + 1] packs N sequences into the one batch entry.
+    into final_state. Inputs as in the module docstring, validated by kda_opt/plan (q, k, v may be
+    views whose token rows are dense and evenly spaced); absent ones None; cu_seqlens [N + 1] packs
+    N sequences into the one batch entry.
     initial_state, final_state: [N, HV, K, V] ([N, HV, V, K] with state_v_first; final_state fp32,
     bf16 or fp16), or state pools [slots, HV, K, V] whose rows are dense (stride(0) may pad them),
     read (read_slots) or written (write_slots) at row slots[n] ([N] int32/int64) for sequence n;
