@@ -241,10 +241,7 @@ def _validate_serving(q, v, N, initial_state, output_final_state, indices, indic
         for name, x in (("initial_state_indices", indices), ("initial_state_indices_cpu", indices_cpu)):
             if x is None:
                 continue
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-            if x.dtype not in (torch.int32, torch.int64):
-                raise TypeError(f"{name} must be int32 or int64, got {x.dtype}")
+            _check_integers(name, x)
             if tuple(x.shape) != (N,):
                 raise ValueError(f"{name} must have shape [{N}] (one slot per sequence), got {list(x.shape)}")
         if indices_cpu is not None:
@@ -281,6 +278,14 @@ def _validate_serving(q, v, N, initial_state, output_final_state, indices, indic
                              f"after each {CHUNK}-token chunk), got {list(checkpoints.shape)}")
 
 
+def _check_integers(name, x):
+    """x, an index argument (cu_seqlens, slot indices, or their host copies), is an int32 or int64 tensor."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {x.dtype}")
+
+
 def _validate_seqlens(cu_seqlens, cu_seqlens_cpu, B, T) -> int:
     """Checks cu_seqlens' type, dtype and shape, and cu_seqlens_cpu's values when given; returns N."""
     if cu_seqlens is None:
@@ -288,10 +293,7 @@ def _validate_seqlens(cu_seqlens, cu_seqlens_cpu, B, T) -> int:
     for name, x in (("cu_seqlens", cu_seqlens), ("cu_seqlens_cpu", cu_seqlens_cpu)):
         if x is None:
             continue
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{name} must be int32 or int64, got {x.dtype}")
+        _check_integers(name, x)
         if x.dim() != 1 or x.shape[0] < 2:
             raise ValueError(f"{name} must have shape [N + 1] with N ≥ 1, got {list(x.shape)}")
     if B != 1:
