@@ -145,12 +145,14 @@ def kda_forward(
 
     Supported head dims: K and V each 64 or 128 (any pair). q, k, v and beta whose tokens are dense,
     evenly spaced rows (views split from one fused projection) are read through their strides; other
-    inputs that are not contiguous are copied first. Bad inputs raise ValueError or TypeError naming the argument before any
-    kernel runs. No host-device synchronisation. kda_opt.plan.make_plan(...) takes the same
+    inputs that are not contiguous are copied first. Bad inputs raise ValueError or TypeError naming
+    the argument before any kernel runs. No host-device synchronisation. kda_opt.plan.make_plan(...) takes the same
     arguments and returns the call's resolved options and launch choices without running it.
 
-    Under torch.compile it is one custom op, ``torch.ops.kda_opt.forward`` (kda_opt/op), which runs
-    this function when the compiled graph runs: the same numbers; cu_seqlens_cpu is not read there.
+    Under torch.compile it is one custom op, ``torch.ops.kda_opt.forward`` (``forward_in_place``,
+    which declares the pool and the checkpoints written, when either is given; kda_opt/op), which runs
+    this function when the compiled graph runs: the same numbers; the ``*_cpu`` host copies are not
+    read there.
     """
     if torch.compiler.is_compiling():
         writes = initial_state_indices is not None or checkpoints is not None
