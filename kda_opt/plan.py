@@ -57,8 +57,6 @@ class Plan:
     initial_state: bool
     output_final_state: bool
     state_pool: bool              # initial_state is a pool read and written at initial_state_indices
-    state_mask: bool              # has_initial_state given
-    checkpoints: bool             # the state after every chunk written into `checkpoints`
     state_v_first: bool           # states [N, HV, V, K]
     packed: bool                  # cu_seqlens given
     block_v: int                  # stage 4's V columns per program
@@ -105,7 +103,6 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         # back what its rounding lost.
         beta_residual=k.dtype != torch.float32 and (use_beta_sigmoid_in_kernel or beta.dtype != k.dtype),
         initial_state=initial_state is not None, output_final_state=output_final_state, state_pool=pool,
-        state_mask=has_initial_state is not None, checkpoints=checkpoints is not None,
         state_v_first=state_v_first, packed=cu_seqlens is not None, block_v=block_v,
         segments=time_segments(T, N, N * HV * (V // block_v), sms, cu_seqlens is not None, tuning.segment_tokens,
                                tuning.max_segments),

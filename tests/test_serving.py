@@ -11,6 +11,7 @@ from kda_opt import kda_forward
 from kda_opt.forward import RUN_TENSORS, run
 from kda_opt.plan import Tuning, make_plan
 from tests.conftest import gpu
+from tests.test_op import DEFAULTS
 
 LENS = [130, 1, 64, 0, 257]   # packed: a tail chunk, one token, one whole chunk, an empty sequence
 CALLS = {
@@ -130,13 +131,8 @@ def test_checkpoints_of_a_batch(segment_tokens):
 
 
 def op_arguments(**a):
-    """The ops' arguments: kda_forward's defaults, then `a`."""
-    defaults = dict(scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
-                    use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, A_log=None,
-                    dt_bias=None, safe_gate=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
-                    chunk_size=64, transpose_state_layout=None, initial_state_indices=None, has_initial_state=None,
-                    checkpoints=None)
-    return {**defaults, **a}
+    """The ops' arguments: kda_forward's defaults (tests/test_op.py), then `a`."""
+    return {**DEFAULTS, **a}
 
 
 def test_in_place_op_declares_what_it_writes():

@@ -1,4 +1,4 @@
-"""The serving step timed (docs/BENCHMARKING.md, "Serving step"): one packed prefill call with a state
+"""The serving step timed (`--sweep --sweep-rows step`, docs/BENCHMARKING.md): one packed prefill call with a state
 pool, as an engine makes it, by each system the way it can make it.
 
     kda_opt          the pool read and written in place (initial_state_indices, has_initial_state)
