@@ -96,6 +96,12 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, SLOTS, MASK, CK,
     if HAS_MASK:
         use_s0 = use_s0 & ct.load(MASK, index=(i_n,), shape=(1,)).item()
     state_order = (0, 1, 3, 2) if V_FIRST else (0, 1, 2, 3)
+    # Checkpoints (the state after each chunk; a row past the buffer's end is dropped) go where the
+    # compiler's schedule hides their store best (docs/DESIGN.md): the state entering chunk i_t (row
+    # i_t − 1) stored inside its iteration before the update, for an fp32 V-first buffer and K-first
+    # ones with the widest V block; else the state after chunk i_t at the end of its iteration
+    # (16-bit V-first buffers stored early took the kernel off its schedule: 255 registers).
+    ck_early = (V_FIRST and CK.dtype == F32) or (not V_FIRST and BV == BLOCK_V_CHOICES[-1])
     # S0 joins S inside the first iteration, not before the loop: loaded there, its tile gave the
     # loop-carried S another layout, and the compiler then dropped the warp-specialised pipeline
     # (255 registers, spills; an initial state doubled this kernel's time). Here the kernel is the
@@ -149,20 +155,13 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, SLOTS, MASK, CK,
         # 2^(Γ_last − Γ) ≤ 1 on valid rows: never 2^Γ_last · 2^−Γ, which overflows.
         g_last_t = ct.transpose(g_last)                                              # [K, 1]
         k_dec_t = ct.transpose(kf) * ct.exp2(g_last_t - ct.transpose(g), flush_to_zero=True)  # [K, C]
+        if STORE_CK and ck_early:
+            _checkpoint(CK, S, ck_b, ct.where(i_t > 0, ck_row + i_t - 1, CK.shape[1]), i_hv, i_v, K, BV, V_FIRST)
         S = ct.mma(k_dec_t.astype(dt), v_new, S * ct.exp2(g_last_t, flush_to_zero=True))     # [K, BV]
-        if STORE_CK:
-            # The state after this chunk (a row past the buffer's end is dropped). An fp32 V-first
-            # buffer in four row blocks of S: one transposed fp32 [K, BV] store in the loop took the
-            # compiler off the warp-specialised schedule (255 registers); quarters keep 168, as one
-            # transposed 16-bit store does (sm_90 cubins).
-            ck = S.astype(CK.dtype)
-            if V_FIRST and CK.dtype == F32:
-                for j in ct.static_iter(range(4)):
-                    ct.store(CK, index=(ck_b, ck_row + i_t, i_hv, j, i_v), order=(0, 1, 2, 4, 3),
-                             tile=ct.extract(ck, (j, 0), shape=(K // 4, BV)).reshape((1, 1, 1, K // 4, BV)))
-            else:
-                ct.store(CK, index=(ck_b, ck_row + i_t, i_hv, 0, i_v), tile=ck.reshape((1, 1, 1, K, BV)),
-                         order=(0, 1, 2, 4, 3) if V_FIRST else (0, 1, 2, 3, 4))
+        if STORE_CK and not ck_early:
+            _checkpoint(CK, S, ck_b, ck_row + i_t, i_hv, i_v, K, BV, V_FIRST)
+    if STORE_CK and ck_early:                                 # the last chunk's (none if T = 0)
+        _checkpoint(CK, S, ck_b, ct.where(T > 0, ck_row + ct.cdiv(T, C) - 1, CK.shape[1]), i_hv, i_v, K, BV, V_FIRST)
     if HAS_S0:
         if T == 0:                                            # an empty packed sequence keeps its state
             S = _initial_state(S0, s_in, use_s0, i_hv, i_v, K, BV, V_FIRST, READ_SLOTS or HAS_MASK)
@@ -179,6 +178,22 @@ def _initial_state(S0, row, use, i_hv, i_v, K: ConstInt, BV: ConstInt, V_FIRST: 
     if CHECKED:
         tile = ct.where(use, tile, 0.0)
     return tile
+
+
+@ct.function
+def _checkpoint(CK, S, b, row, i_hv, i_v, K: ConstInt, BV: ConstInt, V_FIRST: ConstBool):
+    """S [K, BV] into checkpoint row (b, row) of CK [B, rows, HV, K, V] ([…, V, K] if V_FIRST), in CK's
+    dtype. An fp32 V-first buffer in four row blocks of S, without TMA: one transposed fp32 [K, BV]
+    store took the compiler off the warp-specialised schedule (255 registers); quarters keep 168, as
+    one transposed 16-bit store does (sm_90 cubins)."""
+    ck = S.astype(CK.dtype)
+    if V_FIRST and CK.dtype == F32:
+        for j in ct.static_iter(range(4)):
+            ct.store(CK, index=(b, row, i_hv, j, i_v), order=(0, 1, 2, 4, 3), allow_tma=False,
+                     tile=ct.extract(ck, (j, 0), shape=(K // 4, BV)).reshape((1, 1, 1, K // 4, BV)))
+    else:
+        ct.store(CK, index=(b, row, i_hv, 0, i_v), tile=ck.reshape((1, 1, 1, K, BV)),
+                 order=(0, 1, 2, 4, 3) if V_FIRST else (0, 1, 2, 3, 4))
 
 
 def block_v_for(programs: int, V: int, sms: int, dtype: torch.dtype) -> int:

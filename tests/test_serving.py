@@ -94,21 +94,24 @@ def truncated(args, lens, n, stop):
 @gpu
 @pytest.mark.parametrize("call", list(CALLS))
 @pytest.mark.parametrize("ck_dtype", [torch.float32, torch.bfloat16])
-def test_checkpoints_are_final_states_of_shorter_calls(call, ck_dtype):
+@pytest.mark.parametrize("block_v", [64, 128])
+def test_checkpoints_are_final_states_of_shorter_calls(call, ck_dtype, block_v):
     """checkpoints[0, Σ_{m<n} cdiv(len_m, 64) + j] is sequence n's state after min(64(j + 1), len_n)
     tokens: the final state of a call that stops there, bit for bit (in the buffer's dtype); the
-    rows past the chunks and o are untouched by asking."""
+    rows past the chunks and o are untouched by asking. Both V blocks: kda_opt/wuso stores a
+    K-first buffer at the end of each chunk with one, at the start of the next with the other."""
     args = random_inputs(1, sum(LENS), 2, 128, seqlens=LENS, seed=9, initial_state=True, **CALLS[call])
     chunks = [-(-n // 64) for n in LENS]
     shape = (1, sum(chunks) + 2, 2, 128, 128)
     ck = torch.full(shape, 7.0, device="cuda", dtype=ck_dtype)
-    o, s = tuned(args)
-    o_ck, s_ck = tuned({**args, "checkpoints": ck})
+    tuning = Tuning(block_v=block_v)
+    o, s = tuned(args, tuning)
+    o_ck, s_ck = tuned({**args, "checkpoints": ck}, tuning)
     assert torch.equal(o_ck, o) and torch.equal(s_ck, s)
     row = 0
     for n, length in enumerate(LENS):
         for j in range(chunks[n]):
-            _, s_j = tuned(truncated(args, LENS, n, min(64 * (j + 1), length)))
+            _, s_j = tuned(truncated(args, LENS, n, min(64 * (j + 1), length)), tuning)
             assert torch.equal(ck[0, row], s_j[0].to(ck_dtype)), (n, j)
             row += 1
     assert torch.equal(ck[0, row:], torch.full_like(ck[0, row:], 7.0))
@@ -176,6 +179,25 @@ def test_compiled_pool_call_equals_eager():
     assert torch.equal(compiled["initial_state"], eager["initial_state"])
     assert torch.equal(compiled["checkpoints"], eager["checkpoints"])
     torch.library.opcheck(torch.ops.kda_opt.forward_in_place.default, (), op_arguments(**serving_call(12)))
+
+
+@gpu
+def test_reduce_overhead_mode_equals_eager():
+    """torch.compile(mode="reduce-overhead"): the same pool, checkpoints and o as eager over repeated
+    steps on the same buffers, as a server runs them (torch's CUDA graph trees run a function that
+    writes its inputs without a graph; docs/USAGE.md)."""
+    eager = serving_call(14)
+    o = kda_forward(**eager)[0]
+    step = torch.compile(lambda a: kda_forward(**a)[0], fullgraph=True, mode="reduce-overhead")
+    run = serving_call(14)
+    pool, ck = run["initial_state"].clone(), run["checkpoints"].clone()
+    for _ in range(3):
+        run["initial_state"].copy_(pool)
+        run["checkpoints"].copy_(ck)
+        oc = step(run).clone()
+        assert torch.equal(oc, o)
+        assert torch.equal(run["initial_state"], eager["initial_state"])
+        assert torch.equal(run["checkpoints"], eager["checkpoints"])
 
 
 @gpu

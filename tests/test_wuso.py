@@ -161,13 +161,15 @@ def test_initial_state_costs_no_resources(call):
 
 
 @pytest.mark.parametrize("call", [
-    dict(checkpoints=torch.float32), dict(checkpoints=torch.float32, state_v_first=True),
+    dict(checkpoints=torch.float32), dict(checkpoints=torch.bfloat16), dict(checkpoints=torch.float32, block_v=64),
+    dict(checkpoints=torch.float32, state_v_first=True), dict(checkpoints=torch.float32, state_v_first=True, block_v=32),
     dict(checkpoints=torch.bfloat16, state_v_first=True, seqs=(64, torch.int32), l2norm=True, beta_residual=True),
-    dict(checkpoints=torch.float16, pool=(100, torch.int64, True), state_v_first=True)])
+    dict(checkpoints=torch.float16, pool=(100, torch.int64, True), state_v_first=True, block_v=64)])
 def test_checkpoints_cost_no_resources(call):
     """Storing the state after every chunk keeps the registers and stack frame of the kernel
-    without it (one transposed fp32 store in the loop took 255 registers: kda_opt/wuso stores an
-    fp32 V-first state in quarters)."""
+    without it, at either place kda_opt/wuso stores it (one transposed fp32 store in the loop took
+    255 registers: an fp32 V-first state goes in quarters; a 16-bit V-first one stored before the
+    state's update took 255 too, so it goes after)."""
     with_ck = resources(cubin(torch.bfloat16, 128, True, True, **call))
     without = resources(cubin(torch.bfloat16, 128, True, True, **{k: v for k, v in call.items() if k != "checkpoints"}))
     assert with_ck[0] <= without[0] and with_ck[1] <= without[1], (with_ck, without)
