@@ -10,6 +10,8 @@ import functools
 import torch
 
 from . import forward
+from .options import CHUNK
+from .plan import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
 
 # chunk_kda's keywords past its named parameters that kda_opt takes; any other keyword is left to FLA.
 EXTRA_KEYWORDS = ("A_log", "dt_bias", "chunk_size", "transpose_state_layout", "initial_state_indices",
@@ -69,11 +71,11 @@ def _backend_class():
                     return False, f"forward only: {wants_grad[0]} requires grad"
             if not _on_hopper(q.device):
                 return False, f"needs a CUDA GPU of compute capability 9.x, q is on {q.device}"
-            if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            if q.dtype not in SUPPORTED_DTYPES:
                 return False, f"q's dtype {q.dtype} is not bf16, fp16 or fp32"
-            if q.shape[-1] not in (64, 128):
+            if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
                 return False, f"head dim K = {q.shape[-1]} is not 64 or 128"
-            if v.shape[-1] not in (64, 128):
+            if v.shape[-1] not in SUPPORTED_HEAD_DIMS:
                 return False, f"head dim V = {v.shape[-1]} is not 64 or 128"
             if cp_context is not None:
                 return False, "context parallelism (cp_context)"
@@ -83,8 +85,8 @@ def _backend_class():
             # the real tokens undefined); kda_opt needs none of it, but the call stays FLA's.
             if use_graph:
                 return False, "use_graph=True"
-            if kwargs.get("chunk_size", 64) != 64:
-                return False, f"chunk_size {kwargs['chunk_size']} (kda_opt computes 64 only)"
+            if kwargs.get("chunk_size", CHUNK) != CHUNK:
+                return False, f"chunk_size {kwargs['chunk_size']} (kda_opt computes {CHUNK} only)"
             return True, None
 
         def chunk_kda(self, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

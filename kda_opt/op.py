@@ -15,6 +15,7 @@ import torch
 
 from .forward import kda_forward
 from .options import state_shape
+from .seqs import num_sequences
 
 
 def _forward(
@@ -42,7 +43,7 @@ def _fake(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2n
           cu_seqlens, chunk_size, transpose_state_layout, initial_state_indices, has_initial_state, checkpoints):
     B, _, HV, V = v.shape
     K = q.shape[-1]
-    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    N = num_sequences(B, cu_seqlens)
     v_first = state_v_first or bool(transpose_state_layout)
     shape = state_shape(N, HV, K, V, v_first) if output_final_state else (0,)
     return v.new_empty(v.shape), v.new_empty(shape, dtype=torch.float32)

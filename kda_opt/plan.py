@@ -169,8 +169,8 @@ def _validate(q, k, v, g, beta, initial_state, *, use_gate_in_kernel, A_log, dt_
                          f"{'B' if cu_seqlens is None else 'the number of sequences'}"
                          f"{', V before K: state_v_first' if state_v_first else ''}), "
                          f"got {list(initial_state.shape)}")
-    if initial_state is not None and initial_state.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"initial_state must be float32, bfloat16 or float16, got {initial_state.dtype}")
+    if initial_state is not None:
+        _check_state_dtype("initial_state", initial_state)
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("allow_neg_eigval=True scales sigmoid(beta) to (0, 2): it needs "
                          "use_beta_sigmoid_in_kernel=True (beta given as logits)")
@@ -228,8 +228,7 @@ def _validate_serving(q, v, N, initial_state, output_final_state, indices, indic
             layout = " (V before K: state_v_first)" if state_v_first else ""
             raise ValueError(f"a state pool (initial_state with initial_state_indices) must have shape "
                              f"[slots, {', '.join(map(str, row))}]{layout}, got {list(initial_state.shape)}")
-        if initial_state.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"initial_state must be float32, bfloat16 or float16, got {initial_state.dtype}")
+        _check_state_dtype("initial_state", initial_state)
         dense_row = (row[1] * row[2], row[2], 1)
         if tuple(initial_state.stride()[1:]) != dense_row or initial_state.stride(0) < row[0] * dense_row[0]:
             raise ValueError(f"a state pool's rows must each be dense (strides [≥ {row[0] * dense_row[0]}, "
@@ -263,8 +262,7 @@ def _validate_serving(q, v, N, initial_state, output_final_state, indices, indic
     if checkpoints is not None:
         if not isinstance(checkpoints, torch.Tensor):
             raise TypeError(f"checkpoints must be a torch.Tensor, got {type(checkpoints).__name__}")
-        if checkpoints.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"checkpoints must be float32, bfloat16 or float16, got {checkpoints.dtype}")
+        _check_state_dtype("checkpoints", checkpoints)
         need = -(-T // CHUNK)
         if cu_seqlens_cpu is not None:
             need = int((cu_seqlens_cpu.diff() + CHUNK - 1).div(CHUNK, rounding_mode="floor").sum())
@@ -273,6 +271,12 @@ def _validate_serving(q, v, N, initial_state, output_final_state, indices, indic
             rows = "Σ cdiv(len_n, 64)" if cu_seqlens is not None else f"{need}"
             raise ValueError(f"checkpoints must have shape [{B}, ≥ {rows}, {', '.join(map(str, row))}] (the state "
                              f"after each {CHUNK}-token chunk), got {list(checkpoints.shape)}")
+
+
+def _check_state_dtype(name, x):
+    """x, a state tensor (initial state or pool, checkpoint buffer), is float32, bfloat16 or float16."""
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
 
 
 def _check_integers(name, x):
