@@ -339,10 +339,14 @@ def intra_chunk_kernel(
     P: tl.constexpr = DOT_PRECISION
     # The row blocks R = 0..3 against their first BTC columns (_row_block); an unbounded gate's
     # blocks 1 and 2 need only the columns before their diagonal blocks.
-    # Rows past T have zero Akk rows: identity rows of the inverse, never stored, never reached.
+    # Rows past T have zero Akk rows: identity rows of the inverse, never stored, never reached. A
+    # block whose rows all lie past T would store nothing: the program ends before it (a short
+    # sequence's chunk then costs its valid rows' share of the work; a tail chunk's too).
     A0, D = _row_block(q, k, gcum, beta, Aqk, Rstd, rstd_plane, t0, T, scale, SQ, SK, SB, 0, BC,
                        H, HV, K, UNBOUNDED, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
     X0 = _solve_rows(Tm, t0, 0, T, _diagonal(A0, D, UNBOUNDED), tl.zeros([BC, BT], dtype=tl.float32), b_beta, HV, P)
+    if t0 + BC >= T:
+        return
     A1, D = _row_block(q, k, gcum, beta, Aqk, Rstd, rstd_plane, t0, T, scale, SQ, SK, SB, 1,
                        BC if UNBOUNDED else 2 * BC,
                        H, HV, K, UNBOUNDED, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
@@ -351,6 +355,8 @@ def intra_chunk_kernel(
     else:
         A10, A11 = _halves(A1)
     X1 = _solve_rows(Tm, t0, 1, T, A11, tl.dot(A10, X0, input_precision=P), b_beta, HV, P)
+    if t0 + 2 * BC >= T:
+        return
     A2, D = _row_block(q, k, gcum, beta, Aqk, Rstd, rstd_plane, t0, T, scale, SQ, SK, SB, 2,
                        2 * BC if UNBOUNDED else BT,
                        H, HV, K, UNBOUNDED, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
@@ -361,6 +367,8 @@ def intra_chunk_kernel(
         A20, A21, A22, _ = _quarters(A2)
     b_Y = tl.dot(A21, X1, tl.dot(A20, X0, input_precision=P), input_precision=P)
     X2 = _solve_rows(Tm, t0, 2, T, A22, b_Y, b_beta, HV, P)
+    if t0 + 3 * BC >= T:
+        return
     A3, D = _row_block(q, k, gcum, beta, Aqk, Rstd, rstd_plane, t0, T, scale, SQ, SK, SB, 3, BT,
                        H, HV, K, UNBOUNDED, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
     A30, A31, A32, A33 = _quarters(A3)
