@@ -39,11 +39,14 @@ CONFIGS = {
 NAIVE_BUDGET = 2 ** 33
 # The sweep, K = V = 128, each row in every gate mode: (B, T, H) of docs/DESIGN.md's sweep; then packed
 # sequences at T ≈ 8192 per sequence: issue 8's mix (NUM_SEQS lengths uniform in [MIN_SEQ_LEN, 8192],
-# seed 0) at H = 32, and the peers' two mixes at H = 96; then, in the default configuration, the
-# default shape with q/k l2norm. The peers' rows (PEER_SHAPES, PEER_PACKED) are also a set of their own.
+# seed 0) at H = 32, the peers' two mixes at H = 96, and two mixes of many short sequences (SHORT_MIXES);
+# then, in the default configuration, the default shape with q/k l2norm. The peers' rows (PEER_SHAPES, PEER_PACKED) are also a set of their own.
 PEER_SHAPES = [(1, 8192, 96), (1, 8192, 64), (8, 4096, 32), (2, 16384, 64), (1, 32768, 32), (1, 65536, 16),
                (1, 2048, 16)]
-PEER_PACKED = [((1300, 547, 2048, 963, 271, 3063), 96), ((1024,) * 8, 96)]
+# A server's prefill batch: hundreds of short requests (lengths uniform in [1, MIN_SEQ_LEN]) beside a few
+# long ones, in a seeded random order (short_mix_lengths): ("short", count, long lengths), H.
+SHORT_MIXES = [(("short", 384, (4096, 4096)), 32), (("short", 256, (2048,) * 4), 96)]
+PEER_PACKED = [((1300, 547, 2048, 963, 271, 3063), 96), ((1024,) * 8, 96)] + SHORT_MIXES
 SWEEP_SHAPES = list(dict.fromkeys(PEER_SHAPES + [(1, 1024 * 2 ** i, 32) for i in range(7)]))
 MIN_SEQ_LEN, NUM_SEQS = 64, 64
 SWEEP_PACKED = [("drawn", 32)] + PEER_PACKED
@@ -142,11 +145,11 @@ def parse_args(argv=None):
     p.add_argument("--sweep-gates", help="gate modes the sweep runs (default safe,softplus; safe with "
                                          "--config flashkda); its rows replace those of the same case "
                                          "in an existing CSV, so a sweep can be run in parts")
-    p.add_argument("--sweep-rows", choices=["all", "shapes", "serving", "peers", "step"], default="all",
+    p.add_argument("--sweep-rows", choices=["all", "shapes", "serving", "peers", "short", "step"], default="all",
                    help="which of the sweep's rows run: all; shapes (fixed-length SWEEP_SHAPES); serving "
                         "(the packed mixes and the l2norm row); peers (the peers' rows: PEER_SHAPES, then "
-                        "PEER_PACKED); step (the serving step with a state pool, SERVING_STEPS: "
-                        "kda_bench/serving)")
+                        "PEER_PACKED); short (the many-short-sequence mixes alone, SHORT_MIXES); step (the "
+                        "serving step with a state pool, SERVING_STEPS: kda_bench/serving)")
     p.add_argument("--out-dir", default="profiles", help="where --sweep writes its CSV and PNG")
     args = p.parse_args(argv)
     if args.chunk_size != 64:
@@ -176,6 +179,23 @@ def varlen_lengths(num_seqs, max_len, seed):
     return tuple(torch.randint(MIN_SEQ_LEN, max_len + 1, (num_seqs,), generator=gen).tolist())
 
 
+def short_mix_lengths(count, long, seed):
+    """count lengths uniform in [1, MIN_SEQ_LEN] and the lengths `long`, shuffled (seeded)."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, MIN_SEQ_LEN + 1, (count,), generator=gen).tolist() + list(long)
+    return tuple(lens[i] for i in torch.randperm(len(lens), generator=gen).tolist())
+
+
+def mix_lengths(spec, seed):
+    """A packed row's lengths: "drawn" (NUM_SEQS drawn by varlen_lengths), ("short", count, long)
+    (short_mix_lengths), or the lengths themselves."""
+    if spec == "drawn":
+        return varlen_lengths(NUM_SEQS, 8192, seed)
+    if spec[0] == "short":
+        return short_mix_lengths(*spec[1:], seed)
+    return spec
+
+
 def case_from_args(args, B=None, T=None, H=None, gate=None):
     """The case the options describe; the keywords override them."""
     if gate is None:
@@ -189,24 +209,26 @@ def case_from_args(args, B=None, T=None, H=None, gate=None):
 
 
 def sweep_cases(args):
-    """The sweep's rows (SWEEP_SHAPES, SWEEP_PACKED, the l2norm row; or PEER_SHAPES and PEER_PACKED:
-    --sweep-rows picks) in --config, per gate mode."""
+    """The sweep's rows (SWEEP_SHAPES, SWEEP_PACKED, the l2norm row; or PEER_SHAPES and PEER_PACKED; or
+    SHORT_MIXES: --sweep-rows picks) in --config, per gate mode."""
     base = Case(1, 8192, 96, args.head_dim, "safe", args.lower_bound, DTYPES[args.dtype], args.seed,
                 config=args.config, initial_state=args.initial_state, decay=args.decay)
     cases = []
     for gate in args.sweep_gates.split(","):
         at = lambda **kw: dataclasses.replace(base, gate=gate, **kw)
         shapes = lambda rows: [at(B=B, T=T, H=H) for B, T, H in rows]
-        mixes = lambda rows: [at(T=sum(lens), H=H, seqlens=lens) for lens, H in rows]
+        mixes = lambda rows: [at(T=sum(lens), H=H, seqlens=lens) for lens, H in
+                              ((mix_lengths(spec, args.seed), H) for spec, H in rows)]
         if args.sweep_rows == "peers":
             cases += shapes(PEER_SHAPES) + mixes(PEER_PACKED)
         if args.sweep_rows in ("all", "shapes"):
             cases += shapes(SWEEP_SHAPES)
         if args.sweep_rows in ("all", "serving"):
-            cases += mixes((varlen_lengths(NUM_SEQS, 8192, args.seed) if lens == "drawn" else lens, H)
-                           for lens, H in SWEEP_PACKED)
+            cases += mixes(SWEEP_PACKED)
             if args.config == "default":
                 cases.append(at(config="l2norm"))
+        if args.sweep_rows == "short":
+            cases += mixes(SHORT_MIXES)
         if args.sweep_rows == "step":
             drawn = lambda lens: varlen_lengths(NUM_SEQS, 1024, 1) if lens == "drawn short" else lens
             cases += [at(config="serving", T=sum(drawn(lens)), H=H, seqlens=drawn(lens)) for lens, H in SERVING_STEPS]
