@@ -40,7 +40,8 @@ NAIVE_BUDGET = 2 ** 33
 # The sweep, K = V = 128, each row in every gate mode: (B, T, H) of docs/DESIGN.md's sweep; then packed
 # sequences at T ≈ 8192 per sequence: issue 8's mix (NUM_SEQS lengths uniform in [MIN_SEQ_LEN, 8192],
 # seed 0) at H = 32, the peers' two mixes at H = 96, and two mixes of many short sequences (SHORT_MIXES);
-# then, in the default configuration, the default shape with q/k l2norm. The peers' rows (PEER_SHAPES, PEER_PACKED) are also a set of their own.
+# then, in the default configuration, the default shape with q/k l2norm. The peers' rows (PEER_SHAPES,
+# PEER_PACKED) are also a set of their own.
 PEER_SHAPES = [(1, 8192, 96), (1, 8192, 64), (8, 4096, 32), (2, 16384, 64), (1, 32768, 32), (1, 65536, 16),
                (1, 2048, 16)]
 # A server's prefill batch: hundreds of short requests (lengths uniform in [1, MIN_SEQ_LEN]) beside a few
@@ -52,7 +53,7 @@ MIN_SEQ_LEN, NUM_SEQS = 64, 64
 SWEEP_PACKED = [("drawn", 32)] + PEER_PACKED
 # Serving steps at Kimi-Linear's H = 32 (CONFIGS["serving"]): the peers' six-request mix, and 64
 # requests drawn in [MIN_SEQ_LEN, 1024] (seed 1).
-SERVING_STEPS = [((1300, 547, 2048, 963, 271, 3063), 32), ("drawn short", 32)]
+SERVING_STEPS = [((1300, 547, 2048, 963, 271, 3063), 32), (("drawn", 1024, 1), 32)]
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -187,10 +188,12 @@ def short_mix_lengths(count, long, seed):
 
 
 def mix_lengths(spec, seed):
-    """A packed row's lengths: "drawn" (NUM_SEQS drawn by varlen_lengths), ("short", count, long)
-    (short_mix_lengths), or the lengths themselves."""
+    """A packed row's lengths: "drawn" (NUM_SEQS drawn by varlen_lengths up to 8192 with `seed`),
+    ("drawn", max_len, its own seed), ("short", count, long) (short_mix_lengths), or the lengths."""
     if spec == "drawn":
         return varlen_lengths(NUM_SEQS, 8192, seed)
+    if spec[0] == "drawn":
+        return varlen_lengths(NUM_SEQS, *spec[1:])
     if spec[0] == "short":
         return short_mix_lengths(*spec[1:], seed)
     return spec
@@ -230,8 +233,7 @@ def sweep_cases(args):
         if args.sweep_rows == "short":
             cases += mixes(SHORT_MIXES)
         if args.sweep_rows == "step":
-            drawn = lambda lens: varlen_lengths(NUM_SEQS, 1024, 1) if lens == "drawn short" else lens
-            cases += [at(config="serving", T=sum(drawn(lens)), H=H, seqlens=drawn(lens)) for lens, H in SERVING_STEPS]
+            cases += [dataclasses.replace(c, config="serving") for c in mixes(SERVING_STEPS)]
     return cases
 
 
