@@ -232,7 +232,7 @@ def _row_block(q, k, gcum, beta, Aqk, rstd, rstd_plane, t0, T, scale, SQ: tl.con
     # The triangles zeroed, the row scales applied (scale for Aqk, β for Akk). Aqk's diagonal, where
     # the decay is 1, is a plain row sum in fp32: with 16-bit product operands it would carry the
     # column rounding in full, and at T = 1 it is the whole output.
-    o_r = R * BC + o_i
+    o_r = o_i + R * BC
     b_beta = _beta(beta, o_t, m_t, SB, BETA_SIGMOID)
     p_qk = Aqk + o_t[:, None] * (HV * BT)
     if UNBOUNDED:
@@ -288,7 +288,7 @@ def _solve_rows(Tm, t0, R: tl.constexpr, T, b_Arr, b_Y, b_beta, HV: tl.constexpr
     [BC, BT]; stores X_R Diag(β) as Tm's rows and returns X_R."""
     o_i = tl.arange(0, BC)
     o_j = tl.arange(0, BT)
-    b_E = tl.where(o_j[None, :] == R * BC + o_i[:, None], 1.0, 0.0)
+    b_E = tl.where(o_j[None, :] == o_i[:, None] + R * BC, 1.0, 0.0)
     b_X = tl.dot(_inverse(b_Arr, PREC), b_E - b_Y, input_precision=PREC)
     o_t = t0 + R * BC + o_i
     tl.store(Tm + o_t[:, None] * (HV * BT) + o_j[None, :], (b_X * b_beta[None, :]).to(Tm.dtype.element_ty),
