@@ -16,9 +16,34 @@ from kda_opt.reference import rel_err  # noqa: E402,F401  the one error measure 
 
 
 
+NO_GPU = "needs a CUDA GPU"
+NO_CUDA_BUILD = "needs torch built with CUDA (a CPU-only build makes no CUDA tensors, fake ones included)"
+
+
 def gpu(test):
     """A test that needs a CUDA GPU: marked `gpu` (`pytest -m gpu` selects these), skipped without one."""
-    return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")(test))
+    return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason=NO_GPU)(test))
+
+
+def cuda_build(test):
+    """A test that needs CUDA tensors but no GPU (fake ones, under FakeTensorMode): skipped on a
+    CPU-only build of torch."""
+    return pytest.mark.skipif(not torch.backends.cuda.is_built(), reason=NO_CUDA_BUILD)(test)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A skip for any other reason fails the run: a missing test dependency (an importorskip) or tool
+    would otherwise pass as green while the tests it guards never ran."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return
+    reasons = {report.longrepr[2] for report in reporter.stats.get("skipped", [])
+               if isinstance(report.longrepr, tuple)}
+    unexpected = sorted(r for r in reasons if not r.endswith((NO_GPU, NO_CUDA_BUILD)))
+    if unexpected:
+        reporter.write_line("\nskipped for a reason other than a missing GPU or CUDA build (a failure here): "
+                            + "; ".join(unexpected), red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def kernel_device() -> str:

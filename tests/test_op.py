@@ -7,7 +7,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import kda_opt  # noqa: F401  registers the op
 from kda_bench.inputs import random_inputs
 from kda_opt import kda_forward
-from tests.conftest import gpu
+from tests.conftest import cuda_build, gpu
 
 
 # kda_forward's defaults: the op takes every argument.
@@ -22,6 +22,7 @@ def op_call(**a):
     return torch.ops.kda_opt.forward(**{**DEFAULTS, **a})
 
 
+@cuda_build
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("state", ["none", "k-first", "v-first", "deprecated name"])
 def test_fake_shapes(packed, state):
