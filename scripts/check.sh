@@ -15,6 +15,9 @@ try:
 except ImportError:  # Python 3.10
     from pip._vendor import tomli as tomllib
 print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["tileiras"]))')
+"$PY" -c 'import torch, triton
+print(f"check.sh: torch {torch.__version__} (CUDA build: {torch.backends.cuda.is_built()}, GPU: "
+      f"{torch.cuda.is_available()}), triton {triton.__version__}")'
 set +e
 "$PY" -m pytest -q -rs "$@"
 rc=$?
