@@ -46,6 +46,11 @@ beta; beta_residual given), the kernel also writes r = β − round(β) [B, HV, 
 adds r ⊙ x to Tm x (kda_opt/wuso), so that the diagonal is exact. (Leaving β out of Tm and scaling
 x's rows by it before their rounding instead is less accurate.)
 
+Registers. A program holds a chunk (its Akk rows and the inverse's rows in registers), so how many
+run on an SM is set by registers: a row block's products are summed over slabs of CHANNEL_SLAB
+channels, so that its [64, K] column tiles are never all live, and a chunk takes NUM_WARPS warps:
+several small programs per SM, not two large ones (docs/DESIGN.md, "Where the time goes").
+
 Norms. With l2norm the kernel writes every token's 1 / sqrt(Σ x² + eps) for q and k, [2, B, H, T]
 fp32: each row block scales its products by its rows' norms and its columns' (read back from there),
 and stage 4 applies them instead of normalising again.
@@ -63,20 +68,23 @@ BT: tl.constexpr = tl.constexpr(CHUNK)
 BC: tl.constexpr = tl.constexpr(CHUNK // 4)  # sub-chunk: rows in four blocks of 16, the diagonal in 16×16 blocks
 SHIFT: tl.constexpr = tl.constexpr(0.5 * (CHUNK // 4 - 1) * 5.0 / math.log(2.0))
 L2_EPS: tl.constexpr = tl.constexpr(L2NORM_EPS)
-# Warps per chunk: the fastest count tried at the default shape (scripts/bench_stages.py --intra-warps).
-NUM_WARPS = 4
+# Channels per slab and warps per chunk (module docstring, "Registers"): the fastest pair tried at the
+# default shape in both calls and with the softplus gate, bf16 and fp16, K = 64 and 128; fp32 inputs
+# (three tf32 passes per product) take twice the warps (scripts/bench_stages.py --intra-warps).
+CHANNEL_SLAB = 64
+NUM_WARPS = 2
+FP32_WARPS = 4
+
+
+def warps_for(dtype: torch.dtype) -> int:
+    """Stages 2+3's warps per chunk for q and k of this dtype."""
+    return FP32_WARPS if dtype == torch.float32 else NUM_WARPS
 
 
 @triton.jit
 def _tile(p, o_t, m_t, o_k, STRIDE: tl.constexpr):
     """Whole rows o_t (tokens, STRIDE apart) × channels o_k of p as fp32, zero where not m_t."""
     return tl.load(p + o_t[:, None] * STRIDE + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _rstd(x):
-    """1 / sqrt(Σ x² + eps) per row of x [M, K]: FLA's l2norm (use_qk_l2norm_in_kernel)."""
-    return tl.rsqrt(tl.sum(x * x, axis=1) + L2_EPS)
 
 
 @triton.jit
@@ -107,10 +115,9 @@ def _quarters(x):
 
 
 @triton.jit
-def _gamma_row(gcum, t, n, T, HV: tl.constexpr, K: tl.constexpr):
-    """Γ [K] of row min(t, T − 1) of the block starting at n; zeros if the block starts past T."""
-    o_k = tl.arange(0, K)
-    return tl.load(gcum + tl.minimum(t, T - 1) * (HV * K) + o_k, mask=n + 0 * o_k < T, other=0.0)
+def _gamma_row(gcum, t, n, T, o_k, HV: tl.constexpr, K: tl.constexpr):
+    """Γ of channels o_k at row min(t, T − 1) of the block starting at n; zeros if the block starts past T."""
+    return tl.load(gcum + tl.minimum(t, T - 1) * (HV * K) + o_k, mask=0 * o_k + n < T, other=0.0)
 
 
 @triton.jit
@@ -134,10 +141,11 @@ def _products(b_qr, b_kr, b_cols, SPLIT_BF16: tl.constexpr, PREC: tl.constexpr):
 @triton.jit
 def _diagonal_block(b_q, b_k, b_g, g_n, g_a_last, g_b_first, g_b_last, m_t, SPLIT_BF16: tl.constexpr,
                     PREC: tl.constexpr):
-    """An unbounded gate's diagonal block of one row block (module docstring, "Products"): Aqk's and
-    Akk's [BC, BC] products (no mask, scale or β), and the row factor 2^(Γ_i − Γ_n) [BC, K] of the
-    columns before the block. b_q, b_k, b_g [BC, K] fp32: the block's rows; g_n … g_b_last [K]: Γ at
-    the first and last rows of its halves (clamped to T − 1)."""
+    """An unbounded gate's diagonal block of one row block over one slab of channels (module
+    docstring, "Products"): Aqk's and Akk's [BC, BC] products on and below the diagonal (no scale or
+    β; zero above it), and the row factor 2^(Γ_i − Γ_n) [BC, KS] of the columns before the block.
+    b_q, b_k, b_g [BC, KS] fp32: the block's rows; g_n … g_b_last [KS]: Γ at the first and last rows
+    of its halves (clamped to T − 1)."""
     HALF: tl.constexpr = BC // 2
     o_i = tl.arange(0, BC)
     first_half = (o_i < HALF)[:, None]
@@ -155,7 +163,8 @@ def _diagonal_block(b_q, b_k, b_g, g_n, g_a_last, g_b_first, g_b_last, m_t, SPLI
     b_Dqk, b_Dkk = _products(b_qr, b_kr, tl.trans(b_kc), SPLIT_BF16, PREC)
     b_Xqk, b_Xkk = _products(b_qr, b_kr, tl.trans(b_cross), SPLIT_BF16, PREC)
     half_i = o_i // HALF
-    same = half_i[:, None] == half_i[None, :]
+    # Above the diagonal the products overflow (up to 2^168): zeroed here, as the slabs' sums add them.
+    same = (half_i[:, None] == half_i[None, :]) & (o_i[None, :] <= o_i[:, None])
     cross = (half_i[:, None] == 1) & (half_i[None, :] == 0)
     b_Dqk = tl.where(same, b_Dqk, tl.where(cross, b_Xqk, 0.0))
     b_Dkk = tl.where(same, b_Dkk, tl.where(cross, b_Xkk, 0.0))
@@ -169,7 +178,7 @@ def _diagonal_block(b_q, b_k, b_g, g_n, g_a_last, g_b_first, g_b_last, m_t, SPLI
 @triton.jit
 def _row_block(q, k, gcum, beta, Aqk, rstd, rstd_plane, t0, T, scale, SQ: tl.constexpr, SK: tl.constexpr,
                SB: tl.constexpr, R: tl.constexpr, BTC: tl.constexpr,
-               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, UNBOUNDED: tl.constexpr,
+               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, UNBOUNDED: tl.constexpr,
                DOT_PRECISION: tl.constexpr, SPLIT_BF16: tl.constexpr, L2NORM: tl.constexpr,
                BETA_SIGMOID: tl.constexpr):
     """Row block R of the chunk at t0 against its first BTC columns: BTC ≥ 16(R + 1), or for an
@@ -177,46 +186,64 @@ def _row_block(q, k, gcum, beta, Aqk, rstd, rstd_plane, t0, T, scale, SQ: tl.con
     rows (whole rows, zero past its diagonal) and, if L2NORM, its rows' q and k norms (rstd[0],
     rstd[rstd_plane]); returns its Akk rows [BC, BTC] (β applied, zero on and above the diagonal)
     and, for an unbounded gate, its diagonal block [BC, BC] apart (the [BC, BTC] rows then hold
-    zeros there). A block starting past T is all zero. SQ, SK, SB: q's, k's and beta's token strides."""
+    zeros there). A block starting past T is all zero. SQ, SK, SB: q's, k's and beta's token strides.
+    The products are sums over slabs of KS channels (module docstring, "Registers")."""
     n = t0 + R * BC                                   # the block's first row
     o_i = tl.arange(0, BC)
     o_t = n + o_i
     m_t = o_t < T
     o_j = tl.arange(0, BTC)
-    o_k = tl.arange(0, K)
-    b_q = _tile(q, o_t, m_t, o_k, SQ)                                    # [BC, K]
-    b_k = _tile(k, o_t, m_t, o_k, SK)
-    b_g = _tile(gcum, o_t, m_t, o_k, HV * K)
-    g_n = _gamma_row(gcum, n, n, T, HV, K)
-    # Exponents are masked before exp2 (rows and columns past T load Γ = 0, where 2^(C − 0) could
-    # overflow), so that no factor is inf or NaN, not even in rows that are never stored.
     if UNBOUNDED:
-        b_Dqk, b_Dkk, b_rn = _diagonal_block(
-            b_q, b_k, b_g, g_n, _gamma_row(gcum, n + BC // 2 - 1, n, T, HV, K), _gamma_row(gcum, n + BC // 2, n, T, HV, K),
-            _gamma_row(gcum, n + BC - 1, n, T, HV, K), m_t, SPLIT_BF16, DOT_PRECISION)
-        b_c = g_n                                     # the columns before n
-        m_c = (o_j < R * BC) & (t0 + o_j < T) & (n + 0 * o_j < T)
+        m_c = (o_j < R * BC) & (t0 + o_j < T) & (n + 0 * o_j < T)         # the columns before n
     else:
-        b_c = g_n - SHIFT                             # columns up to the block's diagonal
-        b_rn = tl.exp2(tl.where(m_t[:, None], b_g - b_c[None, :], -float("inf")))
-        m_c = (o_j < R * BC + BC) & (t0 + o_j < T) & (n + 0 * o_j < T)
-    if UNBOUNDED and R == 0:
-        b_Aqk = tl.zeros([BC, BTC], dtype=tl.float32)  # no columns before the chunk's first block
-        b_Akk = tl.zeros([BC, BTC], dtype=tl.float32)
-    else:
-        b_kct = tl.trans(_tile(k, t0 + o_j, m_c, o_k, SK))                # [K, BTC]
-        b_gc = _tile(gcum, t0 + o_j, m_c, o_k, HV * K)                   # [BTC, K]
-        b_kc = b_kct * tl.exp2(tl.where(m_c[None, :], b_c[:, None] - tl.trans(b_gc), -float("inf")))
-        b_Aqk, b_Akk = _products(b_q * b_rn, b_k * b_rn, b_kc, SPLIT_BF16, DOT_PRECISION)
-    b_qk = tl.sum(b_q * b_k, axis=1)                 # Aqk's diagonal
+        m_c = (o_j < R * BC + BC) & (t0 + o_j < T) & (n + 0 * o_j < T)    # columns up to the diagonal
+    b_Aqk = tl.zeros([BC, BTC], dtype=tl.float32)
+    b_Akk = tl.zeros([BC, BTC], dtype=tl.float32)
+    b_Dqk = tl.zeros([BC, BC], dtype=tl.float32)
+    b_Dkk = tl.zeros([BC, BC], dtype=tl.float32)
+    b_qk = tl.zeros([BC], dtype=tl.float32)          # Aqk's diagonal
+    b_qq = tl.zeros([BC], dtype=tl.float32)          # Σ q², Σ k² (L2NORM)
+    b_kk = tl.zeros([BC], dtype=tl.float32)
+    # One slab at a time, not software-pipelined: a prefetched slab's registers cost more than the
+    # latency they would hide.
+    for c0 in tl.range(0, K, KS, num_stages=1):
+        o_k = c0 + tl.arange(0, KS)
+        b_q = _tile(q, o_t, m_t, o_k, SQ)                                    # [BC, KS]
+        b_k = _tile(k, o_t, m_t, o_k, SK)
+        b_g = _tile(gcum, o_t, m_t, o_k, HV * K)
+        g_n = _gamma_row(gcum, n, n, T, o_k, HV, K)
+        # Exponents are masked before exp2 (rows and columns past T load Γ = 0, where 2^(C − 0) could
+        # overflow), so that no factor is inf or NaN, not even in rows that are never stored.
+        if UNBOUNDED:
+            b_dqk, b_dkk, b_rn = _diagonal_block(
+                b_q, b_k, b_g, g_n, _gamma_row(gcum, n + BC // 2 - 1, n, T, o_k, HV, K),
+                _gamma_row(gcum, n + BC // 2, n, T, o_k, HV, K), _gamma_row(gcum, n + BC - 1, n, T, o_k, HV, K),
+                m_t, SPLIT_BF16, DOT_PRECISION)
+            b_Dqk += b_dqk
+            b_Dkk += b_dkk
+            b_c = g_n                                 # the columns before n
+        else:
+            b_c = g_n - SHIFT                         # columns up to the block's diagonal
+            b_rn = tl.exp2(tl.where(m_t[:, None], b_g - b_c[None, :], -float("inf")))
+        if R > 0 or not UNBOUNDED:                    # (R = 0, unbounded: no columns before the block)
+            b_kct = tl.trans(_tile(k, t0 + o_j, m_c, o_k, SK))                # [KS, BTC]
+            b_gc = _tile(gcum, t0 + o_j, m_c, o_k, HV * K)                   # [BTC, KS]
+            b_kc = b_kct * tl.exp2(tl.where(m_c[None, :], b_c[:, None] - tl.trans(b_gc), -float("inf")))
+            b_aqk, b_akk = _products(b_q * b_rn, b_k * b_rn, b_kc, SPLIT_BF16, DOT_PRECISION)
+            b_Aqk += b_aqk
+            b_Akk += b_akk
+        b_qk += tl.sum(b_q * b_k, axis=1)
+        if L2NORM:
+            b_qq += tl.sum(b_q * b_q, axis=1)
+            b_kk += tl.sum(b_k * b_k, axis=1)
     if L2NORM:
         # Normalising is a row and column scale of the products, applied to them (fewer operations
-        # than scaling the [BTC, K] column tile). The block's rows' norms
-        # are stored for stage 4 (every value head of a GVA group stores the same numbers); the
-        # columns are rows of this and earlier blocks, their norms read back (the barrier makes this
-        # block's stores visible).
-        b_rq = _rstd(b_q)
-        b_rk = _rstd(b_k)
+        # than scaling the [BTC, K] column tile): FLA's l2norm, 1 / sqrt(Σ x² + eps). The block's
+        # rows' norms are stored for stage 4 (every value head of a GVA group stores the same
+        # numbers); the columns are rows of this and earlier blocks, their norms read back (the
+        # barrier makes this block's stores visible).
+        b_rq = tl.rsqrt(b_qq + L2_EPS)
+        b_rk = tl.rsqrt(b_kk + L2_EPS)
         tl.store(rstd + o_t, b_rq, mask=m_t)
         tl.store(rstd + rstd_plane + o_t, b_rk, mask=m_t)
         tl.debug_barrier()
@@ -305,7 +332,7 @@ def intra_chunk_kernel(
     SQ: tl.constexpr, SK: tl.constexpr, SB: tl.constexpr,  # q's, k's and beta's token strides (views)
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, UNBOUNDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SPLIT_BF16: tl.constexpr, PACKED: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
-    BETA_RESIDUAL: tl.constexpr,
+    BETA_RESIDUAL: tl.constexpr, KS: tl.constexpr,
 ):
     # FLA 0.6.0 computes these matrices in three kernels (diagonal blocks, off-diagonal blocks fused
     # with the solve, then the inverse's merges); here one program holds a chunk's Akk in registers,
@@ -343,13 +370,13 @@ def intra_chunk_kernel(
     # block whose rows all lie past T would store nothing: the program ends before it (a short
     # sequence's chunk then costs its valid rows' share of the work; a tail chunk's too).
     A0, D = _row_block(q, k, gcum, beta, Aqk, Rstd, rstd_plane, t0, T, scale, SQ, SK, SB, 0, BC,
-                       H, HV, K, UNBOUNDED, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
+                       H, HV, K, KS, UNBOUNDED, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
     X0 = _solve_rows(Tm, t0, 0, T, _diagonal(A0, D, UNBOUNDED), tl.zeros([BC, BT], dtype=tl.float32), b_beta, HV, P)
     if t0 + BC >= T:
         return
     A1, D = _row_block(q, k, gcum, beta, Aqk, Rstd, rstd_plane, t0, T, scale, SQ, SK, SB, 1,
                        BC if UNBOUNDED else 2 * BC,
-                       H, HV, K, UNBOUNDED, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
+                       H, HV, K, KS, UNBOUNDED, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
     if UNBOUNDED:
         A10, A11 = A1, D
     else:
@@ -359,7 +386,7 @@ def intra_chunk_kernel(
         return
     A2, D = _row_block(q, k, gcum, beta, Aqk, Rstd, rstd_plane, t0, T, scale, SQ, SK, SB, 2,
                        2 * BC if UNBOUNDED else BT,
-                       H, HV, K, UNBOUNDED, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
+                       H, HV, K, KS, UNBOUNDED, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
     if UNBOUNDED:
         A20, A21 = _halves(A2)
         A22 = D
@@ -370,7 +397,7 @@ def intra_chunk_kernel(
     if t0 + 3 * BC >= T:
         return
     A3, D = _row_block(q, k, gcum, beta, Aqk, Rstd, rstd_plane, t0, T, scale, SQ, SK, SB, 3, BT,
-                       H, HV, K, UNBOUNDED, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
+                       H, HV, K, KS, UNBOUNDED, P, SPLIT_BF16, L2NORM, BETA_SIGMOID)
     A30, A31, A32, A33 = _quarters(A3)
     b_Y = tl.dot(A32, X2, tl.dot(A31, X1, tl.dot(A30, X0, input_precision=P), input_precision=P),
                  input_precision=P)
@@ -379,7 +406,7 @@ def intra_chunk_kernel(
 
 def intra_chunk(q, k, gcum, beta, scale: float, *, gate_bounded: bool = False, seqs: Seqs | None = None,
                 l2norm: bool = False, beta_sigmoid: float | None = None, beta_residual: torch.Tensor | None = None,
-                qk_rstd: torch.Tensor | None = None, num_warps: int = NUM_WARPS):
+                qk_rstd: torch.Tensor | None = None, num_warps: int | None = None):
     """Aqk [B, T, HV, C] (q's dtype) and Tm [B, T, HV, C] (k's dtype) of every chunk (C = CHUNK).
     gate_bounded: every log-decay a ≥ −5 (Γ falls at most 5/ln 2 per token in log2 units), so one
     product per row block serves its diagonal too; otherwise Γ must fall at most 24 per token, as
@@ -389,7 +416,7 @@ def intra_chunk(q, k, gcum, beta, scale: float, *, gate_bounded: bool = False, s
     beta_residual: a [B, HV, T] fp32 tensor that receives β − β rounded to Tm's dtype (module
     docstring). qk_rstd: with l2norm, a [2, B, H, T] fp32 tensor that receives q's and k's
     1 / sqrt(Σ x² + eps) per token (None: a buffer of the launcher's own). num_warps: the kernel's
-    warps (kda_opt/plan.Tuning)."""
+    warps (None: warps_for(q.dtype); kda_opt/plan.Tuning)."""
     B, T, H, K = q.shape
     HV = gcum.shape[2]
     seqs = seqs or fixed(T)
@@ -399,11 +426,12 @@ def intra_chunk(q, k, gcum, beta, scale: float, *, gate_bounded: bool = False, s
         qk_rstd = torch.empty(2, B, H, T, dtype=torch.float32, device=q.device)
     intra_chunk_kernel[(B * HV, seqs.chunk_slots)](
         q, k, gcum, beta, Aqk, Tm, beta_residual, qk_rstd if l2norm else None, seqs.cu_seqlens, seqs.chunk_indices,
-        T, scale, SQ=q.stride(1), SK=k.stride(1), SB=beta.stride(1), H=H, HV=HV, K=K, PACKED=seqs.packed, L2NORM=l2norm,
+        T, scale, SQ=q.stride(1), SK=k.stride(1), SB=beta.stride(1), H=H, HV=HV, K=K, KS=min(CHANNEL_SLAB, K),
+        PACKED=seqs.packed, L2NORM=l2norm,
         UNBOUNDED=not gate_bounded, BETA_SIGMOID=float(beta_sigmoid or 0.0),
         BETA_RESIDUAL=beta_residual is not None,
         # Precision (module docstring). The interpreter ignores DOT_PRECISION and multiplies in fp32.
         DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", SPLIT_BF16=q.dtype == torch.bfloat16,
-        num_warps=num_warps,
+        num_warps=num_warps or warps_for(q.dtype),
     )
     return Aqk, Tm

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .intra import NUM_WARPS
+from .intra import warps_for
 from .options import CHUNK, GateConfig, state_shape
 from .wuso import WORKER_WARPS, block_v_for
 
@@ -34,7 +34,7 @@ class Tuning:
     segment_tokens: int = 8192    # time segments: at least this many tokens each (shorter ones
     max_segments: int = 8         # measured slower: each adds a launch and a state hand-over); 1: off
     block_v: int | None = None    # stage 4's V block; None: block_v_for's choice
-    intra_warps: int = NUM_WARPS  # stages 2+3's warps
+    intra_warps: int | None = None  # stages 2+3's warps; None: kda_opt/intra.warps_for's choice
     worker_warps: int = WORKER_WARPS  # stage 4's worker warps
 
 
@@ -106,7 +106,7 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         state_v_first=state_v_first, packed=cu_seqlens is not None, block_v=block_v,
         segments=time_segments(T, N, N * HV * (V // block_v), sms, cu_seqlens is not None, tuning.segment_tokens,
                                tuning.max_segments),
-        intra_warps=tuning.intra_warps, worker_warps=tuning.worker_warps,
+        intra_warps=tuning.intra_warps or warps_for(q.dtype), worker_warps=tuning.worker_warps,
     )
 
 

@@ -161,6 +161,21 @@ def test_intra_fp32(B, T, H, HV, gate):
     assert_structure(Aqk, Tm, x["beta"], T)
 
 
+@pytest.mark.parametrize("gate", ["safe", "softplus"])
+def test_intra_channel_slabs(gate):
+    """K = 128: each row block's products, its diagonal block and its norms summed over two slabs of
+    channels (module docstring, "Registers"), against the reference and, with l2norm, against q and k
+    normalised beforehand."""
+    x = stage_inputs(1, 130, 1, 128, HV=2, gate=gate, device=kernel_device(), seed=23)
+    Aqk, Tm, rAqk, rTm = run(x, 128 ** -0.5)
+    assert rel_err(Aqk, rAqk) < 2e-6 and rel_err(Tm, rTm) < 2e-6
+    x = {**x, "k": 2 * x["k"] - 0.3}
+    Aqk, Tm = intra_chunk(x["q"], x["k"], x["gcum"], x["beta"], 0.125, l2norm=True, gate_bounded=x["bounded"])
+    n = lambda t: ref.l2norm(t).float()
+    Aqk_n, Tm_n = intra_chunk(n(x["q"]), n(x["k"]), x["gcum"], x["beta"], 0.125, gate_bounded=x["bounded"])
+    assert rel_err(Aqk, Aqk_n) < 2e-6 and rel_err(Tm, Tm_n) < 2e-6
+
+
 @pytest.mark.parametrize("B,T,HV", [(1, 17, 1), (2, 64, 2), (1, 130, 2)])
 def test_intra_inverse_far_from_identity(B, T, HV):
     """Keys sharing a direction and a slow decay: Akk entries up to ≈ 0.9, so every term of the
@@ -202,7 +217,7 @@ def test_intra_unbounded_gate_exact(name, a):
     assert_structure(Aqk, Tm, x["beta"], 130)
 
 
-@pytest.mark.parametrize("num_warps", [2, 8])
+@pytest.mark.parametrize("num_warps", [1, 4, 8])
 def test_intra_num_warps(num_warps):
     """Other warp counts (scripts/bench_stages.py) compute the same matrices, the unbounded gate's
     diagonal blocks included."""

@@ -6,6 +6,7 @@ import torch
 
 from kda_bench.inputs import PER_TOKEN, random_inputs
 from kda_opt import kda_forward
+from kda_opt.intra import FP32_WARPS, NUM_WARPS
 from kda_opt.plan import Tuning, make_plan, time_segments
 from tests.conftest import gpu
 
@@ -195,7 +196,9 @@ def test_plan_of_the_default_call():
     assert plan.gate.in_kernel and plan.gate.bounded and plan.scale == 128 ** -0.5
     assert plan.initial_state and plan.output_final_state and not plan.state_v_first
     assert not plan.beta_residual and not plan.l2norm and plan.beta_sigmoid is None
-    assert (plan.intra_warps, plan.worker_warps) == (Tuning().intra_warps, Tuning().worker_warps)
+    assert (plan.intra_warps, plan.worker_warps) == (NUM_WARPS, Tuning().worker_warps)
+    # fp32 inputs: stages 2+3 at their own warp count (kda_opt/intra.warps_for).
+    assert make_plan(**random_inputs(1, 256, 2, 64, dtype=torch.float32)).intra_warps == FP32_WARPS != NUM_WARPS
 
 
 @gpu
