@@ -117,7 +117,7 @@ def _quarters(x):
 @triton.jit
 def _gamma_row(gcum, t, n, T, o_k, HV: tl.constexpr, K: tl.constexpr):
     """Γ of channels o_k at row min(t, T − 1) of the block starting at n; zeros if the block starts past T."""
-    return tl.load(gcum + tl.minimum(t, T - 1) * (HV * K) + o_k, mask=0 * o_k + n < T, other=0.0)
+    return tl.load(gcum + tl.minimum(t, T - 1) * (HV * K) + o_k, mask=n + 0 * o_k < T, other=0.0)
 
 
 @triton.jit
