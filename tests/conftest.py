@@ -32,14 +32,16 @@ def cuda_build(test):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """A skip for any other reason fails the run: a missing test dependency (an importorskip) or tool
-    would otherwise pass as green while the tests it guards never ran."""
+    """A skip for any other reason, or for one of these where it does not hold (a GPU present, a CUDA
+    build), fails the run: a missing test dependency (an importorskip) or tool would otherwise pass
+    as green while the tests it guards never ran."""
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is None:
         return
     reasons = {report.longrepr[2] for report in reporter.stats.get("skipped", [])
                if isinstance(report.longrepr, tuple)}
-    unexpected = sorted(r for r in reasons if not r.endswith((NO_GPU, NO_CUDA_BUILD)))
+    holds = tuple(r for r, here in ((NO_GPU, not HAS_CUDA), (NO_CUDA_BUILD, not torch.backends.cuda.is_built())) if here)
+    unexpected = sorted(r for r in reasons if not r.endswith(holds))
     if unexpected:
         reporter.write_line("\nskipped for a reason other than a missing GPU or CUDA build (a failure here): "
                             + "; ".join(unexpected), red=True)
