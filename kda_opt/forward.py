@@ -8,14 +8,17 @@ Pipeline) launched on the current stream.
                                               β's residual r where β is not a 16-bit number,
                                               q/k norms for l2norm)
     o, S     = wuso(q, k, v, Γ, Tm, Aqk, S0)  stage 4, cuTile   (kda_opt/wuso)
-Each stage runs through `launch`, inside an NVTX range of the `kda_opt` domain; nothing here waits on
-the device.
+The call's plan is made once per call signature (kda_opt/plan.plan_for), with a table of its compiled
+Triton kernels, launched without the JIT's per-call work (kda_opt/launch). Each stage runs through
+`launch`, inside an NVTX range of the `kda_opt` domain where KDA_OPT_NVTX=1 asks for them; nothing
+here waits on the device.
 
 Time segments (kda_opt/plan decides them): stages 1–3 of segment s + 1 run on a second stream while
 stage 4 runs segment s on the SMs it leaves idle, and each segment's final state (fp32, as stage 4
 keeps it) is the next one's initial state: the same numbers as one pass. The caller's stream waits
 for the second stream's work before each stage 4, so the result is ordered on it as usual.
 """
+import contextlib
 import functools
 
 import nvtx
@@ -23,8 +26,9 @@ import torch
 
 from .gate import gate_cumsum
 from .intra import intra_chunk
+from .launch import Kernels, annotated, direct, nvtx_enabled
 from .options import CHUNK, state_shape
-from .plan import Plan, make_plan
+from .plan import Plan, plan_for
 from .seqs import packed
 from .wuso import wuso
 
@@ -163,16 +167,17 @@ def kda_forward(
             lower_bound, state_v_first, cu_seqlens, chunk_size, transpose_state_layout, initial_state_indices,
             has_initial_state, checkpoints)
         return o, final if output_final_state else None
-    plan = make_plan(q, k, v, g, beta, scale, initial_state, output_final_state,
-                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-                     use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-                     A_log=A_log, dt_bias=dt_bias, safe_gate=safe_gate, lower_bound=lower_bound,
-                     state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                     chunk_size=chunk_size, transpose_state_layout=transpose_state_layout,
-                     initial_state_indices=initial_state_indices, initial_state_indices_cpu=initial_state_indices_cpu,
-                     has_initial_state=has_initial_state, checkpoints=checkpoints)
+    plan, kernels = plan_for(dict(
+        q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval, A_log=A_log,
+        dt_bias=dt_bias, safe_gate=safe_gate, lower_bound=lower_bound, state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size,
+        transpose_state_layout=transpose_state_layout, initial_state_indices=initial_state_indices,
+        initial_state_indices_cpu=initial_state_indices_cpu, has_initial_state=has_initial_state,
+        checkpoints=checkpoints))
     return run(plan, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, initial_state_indices,
-               has_initial_state, checkpoints)
+               has_initial_state, checkpoints, kernels=kernels)
 
 
 # run's tensor arguments, by kda_forward's names: run(plan, **{n: arguments.get(n) for n in RUN_TENSORS}).
@@ -180,18 +185,17 @@ RUN_TENSORS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", 
                "initial_state_indices", "has_initial_state", "checkpoints")
 
 
-def annotated(name, launcher, *args, **kwargs):
-    """A stage launch inside the NVTX range `kda_opt/<name>`: run's default `launch`."""
-    with nvtx.annotate(f"kda_opt/{name}", domain="kda_opt"):
-        return launcher(*args, **kwargs)
-
-
 def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=None, cu_seqlens=None,
-        initial_state_indices=None, has_initial_state=None, checkpoints=None, *, launch=annotated):
+        initial_state_indices=None, has_initial_state=None, checkpoints=None, *, launch=None, kernels: Kernels | None = None):
     """The forward of a plan made from these inputs (make_plan): (o, final state or None).
     launch(name, launcher, *args, **kwargs) runs each stage's launcher (names: seqs, gate, intra,
-    wuso); scripts/bench_stages.py passes one that records them."""
-    q, k, v, beta = (_token_rows(x) for x in (q, k, v, beta))
+    wuso; None: directly, or inside an NVTX range where KDA_OPT_NVTX asks for them, kda_opt/launch);
+    scripts/bench_stages.py passes one that records them. kernels: the plan's table of compiled Triton
+    kernels (kda_opt/launch; None: every launch through the JIT)."""
+    ranges = nvtx_enabled()
+    launch = launch or (annotated if ranges else direct)
+    if plan.copied:
+        q, k, v, beta = (x.contiguous() if n in plan.copied else x for n, x in zip(("q", "k", "v", "beta"), (q, k, v, beta)))
     g = g.contiguous()
     if initial_state is not None and not plan.state_pool:   # a pool is read and written where it is
         initial_state = initial_state.contiguous()
@@ -200,11 +204,11 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
         dt_bias = None if dt_bias is None else dt_bias.to(torch.float32).contiguous()
     else:
         A_log = dt_bias = None
-    prepare = functools.partial(_stages_1_to_3, plan, launch, A_log=A_log, dt_bias=dt_bias)
+    prepare = functools.partial(_stages_1_to_3, plan, launch, kernels, A_log=A_log, dt_bias=dt_bias)
     stage4 = functools.partial(launch, "wuso", wuso, scale=plan.scale, block_v=plan.block_v,
                                state_v_first=plan.state_v_first, worker_warps=plan.worker_warps)
-    with nvtx.annotate("kda_opt/forward", domain="kda_opt"):
-        seqs = launch("seqs", packed, cu_seqlens, plan.T) if plan.packed else None
+    with nvtx.annotate("kda_opt/forward", domain="kda_opt") if ranges else contextlib.nullcontext():
+        seqs = launch("seqs", packed, cu_seqlens, plan.T, kernels) if plan.packed else None
         final = initial_state if plan.state_pool else _final_state(plan, v) if plan.output_final_state else None
         state = dict(initial_state=initial_state, final_state=final, slots=initial_state_indices,
                      read_slots=plan.state_pool, write_slots=plan.state_pool, has_initial_state=has_initial_state)
@@ -218,33 +222,22 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
         return o, None if plan.state_pool else final
 
 
-def _token_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [B, T, ...] itself where the stages can read it through its strides: each token's row (heads ×
-    channels) dense, 16-byte aligned, tokens evenly spaced through the batch (as in q, k, v or beta
-    split from one fused projection); otherwise a contiguous copy."""
-    B, T = x.shape[:2]
-    row = x[0, 0]
-    readable = (row.is_contiguous() and x.stride(1) >= row.numel() and (B == 1 or x.stride(0) == T * x.stride(1))
-                and x.stride(1) * x.element_size() % 16 == 0 and x.data_ptr() % 16 == 0)
-    return x if readable else x.contiguous()
-
-
 def _final_state(plan: Plan, like: torch.Tensor) -> torch.Tensor:
     """An fp32 state for each of the plan's sequences, in its layout."""
     return like.new_empty(state_shape(plan.N, plan.HV, plan.K, plan.V, plan.state_v_first), dtype=torch.float32)
 
 
-def _stages_1_to_3(plan: Plan, launch, q, k, g, beta, seqs=None, *, A_log, dt_bias):
+def _stages_1_to_3(plan: Plan, launch, kernels, q, k, g, beta, seqs=None, *, A_log, dt_bias):
     """Stages 1–3 over q, k, g, beta [B, T, ...] (seqs: their layout; None: B sequences of T tokens):
     Γ, Aqk, Tm, β's residual r [B, HV, T] (plan.beta_residual, else None) and the q/k norms
     [2, B, H, T] (plan.l2norm, else None)."""
     B, T, H, _ = q.shape
     r = q.new_empty((B, plan.HV, T), dtype=torch.float32) if plan.beta_residual else None
     rstd = q.new_empty((2, B, H, T), dtype=torch.float32) if plan.l2norm else None   # 1 / ‖q‖, 1 / ‖k‖
-    gcum = launch("gate", gate_cumsum, g, plan.gate, A_log, dt_bias, seqs)
+    gcum = launch("gate", gate_cumsum, g, plan.gate, A_log, dt_bias, seqs, kernels=kernels)
     Aqk, Tm = launch("intra", intra_chunk, q, k, gcum, beta, plan.scale, gate_bounded=plan.gate.bounded,
                      seqs=seqs, l2norm=plan.l2norm, beta_sigmoid=plan.beta_sigmoid, beta_residual=r, qk_rstd=rstd,
-                     num_warps=plan.intra_warps)
+                     num_warps=plan.intra_warps, kernels=kernels)
     return gcum, Aqk, Tm, r, rstd
 
 

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import Kernels, triton_launch
 from .options import CHUNK, LOG_DECAY_FLOOR, GateConfig
 from .seqs import Seqs, chunk_span, fixed
 
@@ -22,7 +23,7 @@ SOFTPLUS: tl.constexpr = tl.constexpr(2)
 FLOOR: tl.constexpr = tl.constexpr(LOG_DECAY_FLOOR)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def gate_cumsum_kernel(
     g, A_log, dt_bias, gcum,       # [B, T, HV, K], [HV] or None, [HV·K] or None, [B, T, HV, K]
     cu_seqlens, chunk_indices,      # packed sequences (kda_opt/seqs), or None
@@ -57,19 +58,22 @@ def gate_cumsum_kernel(
     tl.store(gcum + o_tk, b_g, mask=m_tk)
 
 
-def gate_cumsum(g: torch.Tensor, gate: GateConfig, A_log=None, dt_bias=None, seqs: Seqs | None = None):
+def gate_cumsum(g: torch.Tensor, gate: GateConfig, A_log=None, dt_bias=None, seqs: Seqs | None = None, *,
+                kernels: Kernels | None = None):
     """Γ = chunk-local cumsum of the activated gate, in log2 units: [B, T, HV, K] float32. A_log,
     dt_bias: fp32, contiguous, or None. seqs: the sequence layout (kda_opt/seqs); None is B
-    sequences of T tokens."""
+    sequences of T tokens. kernels: the plan's compiled kernels (kda_opt/launch), or None."""
     B, T, HV, K = g.shape
     seqs = seqs or fixed(T)
     mode = PREACTIVATED if not gate.in_kernel else SIGMOID if gate.lower_bound is not None else SOFTPLUS
     gcum = torch.empty(B, T, HV, K, dtype=torch.float32, device=g.device)
-    BK = min(64, triton.next_power_of_2(K))
-    grid = (B * HV, seqs.chunk_slots, triton.cdiv(K, BK))
-    gate_cumsum_kernel[grid](
-        g, A_log, dt_bias, gcum, seqs.cu_seqlens, seqs.chunk_indices, T, float(gate.lower_bound or 0.0),
-        HV=HV, K=K, C=CHUNK, BK=BK,
+    # Plain integer arithmetic: triton.cdiv and next_power_of_2 cost microseconds a call in Python.
+    BK = min(64, 1 << (K - 1).bit_length())
+    grid = (B * HV, seqs.chunk_slots, -(-K // BK))
+    triton_launch(
+        gate_cumsum_kernel, grid, kernels,
+        g=g, A_log=A_log, dt_bias=dt_bias, gcum=gcum, cu_seqlens=seqs.cu_seqlens, chunk_indices=seqs.chunk_indices,
+        T=T, lower_bound=float(gate.lower_bound or 0.0), HV=HV, K=K, C=CHUNK, BK=BK,
         MODE=mode, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, PACKED=seqs.packed,
     )
     return gcum

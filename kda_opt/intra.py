@@ -61,6 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import Kernels, triton_launch
 from .options import CHUNK, L2NORM_EPS
 from .seqs import Seqs, chunk_span, fixed
 
@@ -406,7 +407,7 @@ def intra_chunk_kernel(
 
 def intra_chunk(q, k, gcum, beta, scale: float, *, gate_bounded: bool = False, seqs: Seqs | None = None,
                 l2norm: bool = False, beta_sigmoid: float | None = None, beta_residual: torch.Tensor | None = None,
-                qk_rstd: torch.Tensor | None = None, num_warps: int | None = None):
+                qk_rstd: torch.Tensor | None = None, num_warps: int | None = None, kernels: Kernels | None = None):
     """Aqk [B, T, HV, C] (q's dtype) and Tm [B, T, HV, C] (k's dtype) of every chunk (C = CHUNK).
     gate_bounded: every log-decay a ≥ −5 (Γ falls at most 5/ln 2 per token in log2 units), so one
     product per row block serves its diagonal too; otherwise Γ must fall at most 24 per token, as
@@ -416,7 +417,8 @@ def intra_chunk(q, k, gcum, beta, scale: float, *, gate_bounded: bool = False, s
     beta_residual: a [B, HV, T] fp32 tensor that receives β − β rounded to Tm's dtype (module
     docstring). qk_rstd: with l2norm, a [2, B, H, T] fp32 tensor that receives q's and k's
     1 / sqrt(Σ x² + eps) per token (None: a buffer of the launcher's own). num_warps: the kernel's
-    warps (None: warps_for(q.dtype); kda_opt/plan.Tuning)."""
+    warps (None: warps_for(q.dtype); kda_opt/plan.Tuning). kernels: the plan's compiled kernels
+    (kda_opt/launch), or None."""
     B, T, H, K = q.shape
     HV = gcum.shape[2]
     seqs = seqs or fixed(T)
@@ -424,9 +426,11 @@ def intra_chunk(q, k, gcum, beta, scale: float, *, gate_bounded: bool = False, s
     Tm = torch.empty(B, T, HV, CHUNK, dtype=k.dtype, device=q.device)
     if l2norm and qk_rstd is None:
         qk_rstd = torch.empty(2, B, H, T, dtype=torch.float32, device=q.device)
-    intra_chunk_kernel[(B * HV, seqs.chunk_slots)](
-        q, k, gcum, beta, Aqk, Tm, beta_residual, qk_rstd if l2norm else None, seqs.cu_seqlens, seqs.chunk_indices,
-        T, scale, SQ=q.stride(1), SK=k.stride(1), SB=beta.stride(1), H=H, HV=HV, K=K, KS=min(CHANNEL_SLAB, K),
+    triton_launch(
+        intra_chunk_kernel, (B * HV, seqs.chunk_slots), kernels,
+        q=q, k=k, gcum=gcum, beta=beta, Aqk=Aqk, Tm=Tm, Rb=beta_residual, Rstd=qk_rstd if l2norm else None,
+        cu_seqlens=seqs.cu_seqlens, chunk_indices=seqs.chunk_indices, T=T, scale=scale,
+        SQ=q.stride(1), SK=k.stride(1), SB=beta.stride(1), H=H, HV=HV, K=K, KS=min(CHANNEL_SLAB, K),
         PACKED=seqs.packed, L2NORM=l2norm,
         UNBOUNDED=not gate_bounded, BETA_SIGMOID=float(beta_sigmoid or 0.0),
         BETA_RESIDUAL=beta_residual is not None,

@@ -6,7 +6,11 @@ decision, into one frozen value that kda_opt/forward runs; each stage takes the 
     what the options mean                      gate, scale, l2norm, beta_sigmoid, beta_residual, ...
     how the stages launch                      block_v, segments, intra_warps, worker_warps
 Tuning holds the launch knobs; kda_forward takes its defaults, tests and scripts/bench_stages.py pass
-others. Absent inputs are None in every signature of the package (the cuTile launch alone swaps in a
+others. kda_forward makes a call signature's plan once (plan_for): the signature holds everything the
+checks and the plan read (every tensor's shape, strides, dtype, device, requires_grad and 16-byte
+alignment, every option's value, the grad mode) but the host copies' values (cu_seqlens_cpu,
+initial_state_indices_cpu), which are checked on every call; a call whose signature was planned
+before has passed every check the plan made. Absent inputs are None in every signature of the package (the cuTile launch alone swaps in a
 stand-in, as cuTile takes arrays only: kda_opt/wuso).
 
 Time segments. Stage 4 runs one program per (sequence, value head, V block) through the whole
@@ -14,12 +18,14 @@ sequence, so where B·H is small most SMs idle through it ((1, 65536, 16): 64 pr
 There a lone sequence is cut at chunk boundaries into segments (time_segments) that kda_opt/forward
 overlaps: stages 1–3 of segment s + 1 beside stage 4 of segment s.
 """
+import operator
 import warnings
 from dataclasses import dataclass
 
 import torch
 
 from .intra import warps_for
+from .launch import Kernels
 from .options import CHUNK, GateConfig, state_shape
 from .wuso import WORKER_WARPS, block_v_for
 
@@ -59,6 +65,8 @@ class Plan:
     state_pool: bool              # initial_state is a pool read and written at initial_state_indices
     state_v_first: bool           # states [N, HV, V, K]
     packed: bool                  # cu_seqlens given
+    copied: tuple[str, ...]       # of q, k, v, beta: those read as contiguous copies (their token rows
+                                  # not readable through their strides, _rows_readable)
     block_v: int                  # stage 4's V columns per program
     segments: tuple[tuple[int, int], ...]  # token ranges run one after another (time segments)
     intra_warps: int
@@ -85,7 +93,8 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                   state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                   chunk_size=chunk_size)
     _validate_serving(q, v, N, initial_state, output_final_state, initial_state_indices, initial_state_indices_cpu,
-                      has_initial_state, checkpoints, state_v_first, cu_seqlens, cu_seqlens_cpu)
+                      has_initial_state, checkpoints, state_v_first, cu_seqlens)
+    check_host_copies(q.shape[1], cu_seqlens_cpu, initial_state_indices_cpu, initial_state, checkpoints)
     _validate_devices(q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias,
                       cu_seqlens=cu_seqlens, initial_state_indices=initial_state_indices,
                       has_initial_state=has_initial_state, checkpoints=checkpoints)
@@ -103,11 +112,97 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         # back what its rounding lost.
         beta_residual=k.dtype != torch.float32 and (use_beta_sigmoid_in_kernel or beta.dtype != k.dtype),
         initial_state=initial_state is not None, output_final_state=output_final_state, state_pool=pool,
-        state_v_first=state_v_first, packed=cu_seqlens is not None, block_v=block_v,
+        state_v_first=state_v_first, packed=cu_seqlens is not None,
+        copied=tuple(n for n, x in (("q", q), ("k", k), ("v", v), ("beta", beta)) if not _rows_readable(x)),
+        block_v=block_v,
         segments=time_segments(T, N, N * HV * (V // block_v), sms, cu_seqlens is not None, tuning.segment_tokens,
                                tuning.max_segments),
         intra_warps=tuning.intra_warps or warps_for(q.dtype), worker_warps=tuning.worker_warps,
     )
+
+
+# Signatures planned (plan_for), oldest first; the oldest is dropped past PLAN_CACHE_SIZE.
+PLAN_CACHE_SIZE = 256
+_plans: dict[tuple, tuple[Plan, Kernels]] = {}
+# kda_forward's tensor arguments: in a signature by their metadata. Every other argument is an option,
+# in a signature by its value (bool, int, float or None; any other type is planned on every call).
+TENSOR_ARGUMENTS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens", "cu_seqlens_cpu",
+                    "initial_state_indices", "initial_state_indices_cpu", "has_initial_state", "checkpoints")
+OPTION_ARGUMENTS = ("scale", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+                    "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate", "lower_bound", "state_v_first",
+                    "chunk_size")
+_OPTION_TYPES = frozenset((bool, int, float, type(None)))
+
+
+def plan_for(arguments: dict) -> tuple[Plan, Kernels]:
+    """make_plan(**arguments) (kda_forward's arguments by name, the default tuning) made once per call
+    signature (module docstring), and the table of the plan's compiled Triton kernels
+    (kda_opt/launch). The host copies' values are checked on every call."""
+    key = _signature(arguments)
+    entry = None if key is None else _plans.get(key)
+    if entry is None:
+        entry = (make_plan(**arguments), Kernels())
+        if key is not None:
+            if len(_plans) >= PLAN_CACHE_SIZE:
+                del _plans[next(iter(_plans))]
+            _plans[key] = entry
+    else:
+        check_host_copies(arguments["q"].shape[1], arguments["cu_seqlens_cpu"],
+                          arguments["initial_state_indices_cpu"], arguments["initial_state"], arguments["checkpoints"])
+    return entry
+
+
+def _signature(arguments: dict) -> tuple | None:
+    """What make_plan's checks and choices read from a call, but the host copies' values: a hashable
+    key, or None where an argument is of a type no signature holds (it is then planned every call,
+    and the checks say what is wrong with it) or the call asks for a warning (transpose_state_layout).
+    arguments: kda_forward's, every one by name."""
+    if arguments["transpose_state_layout"] is not None:
+        return None
+    options = tuple(arguments[name] for name in OPTION_ARGUMENTS)
+    if not all(type(x) in _OPTION_TYPES for x in options):
+        return None
+    key = [torch.is_grad_enabled(), options]
+    for name in TENSOR_ARGUMENTS:
+        x = arguments[name]
+        if x is None:
+            key.append(None)
+        elif isinstance(x, torch.Tensor):
+            key.append((x.shape, x.stride(), x.dtype, x.device, x.requires_grad, x.data_ptr() % 16))
+        else:
+            return None
+    return tuple(key)
+
+
+def _rows_readable(x: torch.Tensor) -> bool:
+    """Whether the stages read x [B, T, ...] (q, k, v or beta) through its strides: each token's row
+    (heads × channels) dense, 16-byte aligned, tokens evenly spaced through the batch (as in q, k, v or
+    beta split from one fused projection); otherwise kda_opt/forward reads a contiguous copy."""
+    B, T = x.shape[:2]
+    row = x[0, 0]
+    return (row.is_contiguous() and x.stride(1) >= row.numel() and (B == 1 or x.stride(0) == T * x.stride(1))
+            and x.stride(1) * x.element_size() % 16 == 0 and x.data_ptr() % 16 == 0)
+
+
+def check_host_copies(T, cu_seqlens_cpu, initial_state_indices_cpu, initial_state, checkpoints):
+    """The checks that read the host copies' values (their types and shapes are checked before):
+    cu_seqlens_cpu rising from 0 to T and, with it, checkpoints' rows; initial_state_indices_cpu
+    below the pool's slots, no slot twice. Read as lists: a few µs a call."""
+    if cu_seqlens_cpu is not None:
+        cu = cu_seqlens_cpu.tolist()
+        if cu[0] != 0 or cu[-1] != T or not all(map(operator.le, cu, cu[1:])):
+            raise ValueError(f"cu_seqlens_cpu must rise from 0 to T={T}, got {cu[:8]}{' ...' if len(cu) > 8 else ''}")
+        if checkpoints is not None and checkpoints.shape[1] < sum(-(-(b - a) // CHUNK) for a, b in zip(cu, cu[1:])):
+            raise _checkpoints_shape_error(checkpoints, "Σ cdiv(len_n, 64)")
+    if initial_state_indices_cpu is not None:
+        slots, ids = initial_state.shape[0], initial_state_indices_cpu.tolist()
+        if max(ids) >= slots:
+            raise ValueError(f"initial_state_indices_cpu must be below the pool's {slots} slots (negative: "
+                             f"no slot), got {max(ids)}")
+        used = [i for i in ids if i >= 0]
+        if len(set(used)) != len(used):
+            raise ValueError("initial_state_indices_cpu names a slot twice: two sequences would write one "
+                             "pool row")
 
 
 def time_segments(T: int, N: int, programs: int, sms: int, is_packed: bool, segment_tokens: int,
@@ -162,7 +257,7 @@ def _validate(q, k, v, g, beta, initial_state, *, use_gate_in_kernel, A_log, dt_
             raise TypeError(f"{name} must be bfloat16, float16 or float32, got {named[name].dtype}")
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    N = B if cu_seqlens is None and cu_seqlens_cpu is None else _validate_seqlens(cu_seqlens, cu_seqlens_cpu, B, T)
+    N = B if cu_seqlens is None and cu_seqlens_cpu is None else _validate_seqlens(cu_seqlens, cu_seqlens_cpu, B)
     s0_shape = state_shape(N, HV, K, V, state_v_first)
     if initial_state is not None and tuple(initial_state.shape) != s0_shape:
         raise ValueError(f"initial_state must have shape {list(s0_shape)} (N = "
@@ -207,7 +302,7 @@ def _validate_devices(q, **tensors):
 
 
 def _validate_serving(q, v, N, initial_state, output_final_state, indices, indices_cpu, has_initial_state,
-                      checkpoints, state_v_first, cu_seqlens, cu_seqlens_cpu):
+                      checkpoints, state_v_first, cu_seqlens):
     """Checks the state pool (initial_state with initial_state_indices), has_initial_state and the
     checkpoint buffer, as a serving engine passes them (kda_forward's docstring)."""
     B, T, _, K = q.shape
@@ -240,17 +335,8 @@ def _validate_serving(q, v, N, initial_state, output_final_state, indices, indic
             _check_integers(name, x)
             if tuple(x.shape) != (N,):
                 raise ValueError(f"{name} must have shape [{N}] (one slot per sequence), got {list(x.shape)}")
-        if indices_cpu is not None:
-            if indices_cpu.device.type != "cpu":
-                raise ValueError(f"initial_state_indices_cpu must be on the CPU, got {indices_cpu.device}")
-            slots = initial_state.shape[0]
-            if (indices_cpu >= slots).any():
-                raise ValueError(f"initial_state_indices_cpu must be below the pool's {slots} slots (negative: "
-                                 f"no slot), got {indices_cpu.max().item()}")
-            used = indices_cpu[indices_cpu >= 0]
-            if used.unique().numel() != used.numel():
-                raise ValueError("initial_state_indices_cpu names a slot twice: two sequences would write one "
-                                 "pool row")
+        if indices_cpu is not None and indices_cpu.device.type != "cpu":
+            raise ValueError(f"initial_state_indices_cpu must be on the CPU, got {indices_cpu.device}")
     if has_initial_state is not None:
         if not isinstance(has_initial_state, torch.Tensor) or has_initial_state.dtype != torch.bool:
             raise TypeError(f"has_initial_state must be a torch.bool tensor, got "
@@ -263,14 +349,20 @@ def _validate_serving(q, v, N, initial_state, output_final_state, indices, indic
         if not isinstance(checkpoints, torch.Tensor):
             raise TypeError(f"checkpoints must be a torch.Tensor, got {type(checkpoints).__name__}")
         _check_state_dtype("checkpoints", checkpoints)
-        need = -(-T // CHUNK)
-        if cu_seqlens_cpu is not None:
-            need = int((cu_seqlens_cpu.diff() + CHUNK - 1).div(CHUNK, rounding_mode="floor").sum())
+        need = -(-T // CHUNK)   # packed: Σ cdiv(len_n, 64), checked where cu_seqlens_cpu is given
         if (checkpoints.dim() != 5 or checkpoints.shape[0] != B or tuple(checkpoints.shape[2:]) != row
-                or (cu_seqlens is None or cu_seqlens_cpu is not None) and checkpoints.shape[1] < need):
-            rows = "Σ cdiv(len_n, 64)" if cu_seqlens is not None else f"{need}"
-            raise ValueError(f"checkpoints must have shape [{B}, ≥ {rows}, {', '.join(map(str, row))}] (the state "
-                             f"after each {CHUNK}-token chunk), got {list(checkpoints.shape)}")
+                or cu_seqlens is None and checkpoints.shape[1] < need):
+            raise _checkpoints_shape_error(checkpoints, "Σ cdiv(len_n, 64)" if cu_seqlens is not None else f"{need}",
+                                           B, row)
+
+
+def _checkpoints_shape_error(checkpoints, rows: str, B=None, row=None) -> ValueError:
+    """The error of a checkpoint buffer of the wrong shape: B, row (its [HV, K, V] or V-first tail)
+    default to the buffer's own, where only its rows are short."""
+    B = checkpoints.shape[0] if B is None else B
+    row = tuple(checkpoints.shape[2:]) if row is None else row
+    return ValueError(f"checkpoints must have shape [{B}, ≥ {rows}, {', '.join(map(str, row))}] (the state "
+                      f"after each {CHUNK}-token chunk), got {list(checkpoints.shape)}")
 
 
 def _check_state_dtype(name, x):
@@ -287,8 +379,9 @@ def _check_integers(name, x):
         raise TypeError(f"{name} must be int32 or int64, got {x.dtype}")
 
 
-def _validate_seqlens(cu_seqlens, cu_seqlens_cpu, B, T) -> int:
-    """Checks cu_seqlens' type, dtype and shape, and cu_seqlens_cpu's values when given; returns N."""
+def _validate_seqlens(cu_seqlens, cu_seqlens_cpu, B) -> int:
+    """Checks cu_seqlens' and cu_seqlens_cpu's types, dtypes, shapes and devices (cu_seqlens_cpu's values:
+    check_host_copies); returns N."""
     if cu_seqlens is None:
         raise ValueError("cu_seqlens_cpu is given without cu_seqlens (the device copy the kernels read)")
     for name, x in (("cu_seqlens", cu_seqlens), ("cu_seqlens_cpu", cu_seqlens_cpu)):
@@ -306,8 +399,4 @@ def _validate_seqlens(cu_seqlens, cu_seqlens_cpu, B, T) -> int:
         if cu_seqlens_cpu.shape != cu_seqlens.shape:
             raise ValueError(f"cu_seqlens_cpu must have cu_seqlens' shape {list(cu_seqlens.shape)}, "
                              f"got {list(cu_seqlens_cpu.shape)}")
-        lens = cu_seqlens_cpu.diff()
-        if cu_seqlens_cpu[0] != 0 or cu_seqlens_cpu[-1] != T or (lens < 0).any():
-            raise ValueError(f"cu_seqlens_cpu must rise from 0 to T={T}, got {cu_seqlens_cpu.tolist()[:8]}"
-                             f"{' ...' if len(cu_seqlens_cpu) > 8 else ''}")
     return cu_seqlens.shape[0] - 1

@@ -9,12 +9,14 @@ for a spare one, and is built on the device from cu_seqlens by two small kernels
 offsets = [0, cumsum(cdiv(len_n, C))], then a binary search of offsets per slot (FLA builds the same
 table, prepare_chunk_indices, on the host). A per-sequence grid (stage 4) reads cu_seqlens directly.
 """
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from .launch import Kernels, triton_launch
 from .options import CHUNK
 
 BLOCK = 1024  # sequences per step of the offsets scan; slots per program of the index search
@@ -38,19 +40,23 @@ def num_sequences(B: int, cu_seqlens: torch.Tensor | None) -> int:
     return B if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
 
+@functools.lru_cache(maxsize=1024)
 def fixed(T: int) -> Seqs:
     """B sequences of T tokens each: the chunk slots of one (the grid covers B·HV of them)."""
     return Seqs(chunk_slots=triton.cdiv(T, CHUNK))
 
 
-def packed(cu_seqlens: torch.Tensor, T: int) -> Seqs:
-    """The layout of sequences packed along T by cu_seqlens (validated by the caller)."""
+def packed(cu_seqlens: torch.Tensor, T: int, kernels: Kernels | None = None) -> Seqs:
+    """The layout of sequences packed along T by cu_seqlens (validated by the caller). kernels: the
+    plan's compiled kernels (kda_opt/launch), or None."""
     N = cu_seqlens.shape[0] - 1
-    slots = triton.cdiv(T, CHUNK) + N - 1
+    slots = -(-T // CHUNK) + N - 1
     offsets = torch.empty(N + 1, dtype=torch.int32, device=cu_seqlens.device)
-    chunk_offsets_kernel[(1,)](cu_seqlens, offsets, N, T, C=CHUNK, BLOCK=BLOCK)
+    triton_launch(chunk_offsets_kernel, (1,), kernels, cu_seqlens=cu_seqlens, offsets=offsets, N=N, T=T, C=CHUNK,
+                  BLOCK=BLOCK)
     indices = torch.empty(slots, 2, dtype=torch.int32, device=cu_seqlens.device)
-    chunk_indices_kernel[(triton.cdiv(slots, BLOCK),)](offsets, indices, N, slots, N.bit_length(), BLOCK=BLOCK)
+    triton_launch(chunk_indices_kernel, (-(-slots // BLOCK),), kernels, offsets=offsets, indices=indices, N=N,
+                  slots=slots, STEPS=N.bit_length(), BLOCK=BLOCK)
     return Seqs(chunk_slots=slots, cu_seqlens=cu_seqlens, chunk_indices=indices, chunk_offsets=offsets)
 
 

@@ -21,6 +21,7 @@ import functools
 import cuda.tile as ct
 import torch
 
+from .launch import current_stream
 from .options import CHUNK
 from .seqs import num_sequences
 
@@ -261,5 +262,5 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
     grid, args = launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, final_state, cu_seqlens,
                                qk_rstd, state_v_first, beta_residual, slots, read_slots, write_slots,
                                has_initial_state, checkpoints, checkpoint_rows)
-    ct.launch(torch.cuda.current_stream(), grid, _kernel(worker_warps), args)
+    ct.launch(current_stream(), grid, _kernel(worker_warps), args)
     return o

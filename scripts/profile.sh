@@ -13,6 +13,7 @@ mkdir -p "$tmp" profiles
 tag=$(python3 scripts/profile_summary.py --print tag "$@")
 nsys_bin=${NSYS:-$(command -v nsys || ls /opt/nvidia/nsight-systems/*/bin/nsys \
     /opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys 2>/dev/null | head -1 || true)}
+export KDA_OPT_NVTX=1   # kda_forward's stage ranges (kda_opt/launch), which _nvtx.txt reports
 if [ -n "$nsys_bin" ] && [ -x "$nsys_bin" ]; then
   "$nsys_bin" profile -t cuda,nvtx --capture-range=cudaProfilerApi --capture-range-end=stop \
       -f true -o "$tmp/$tag" python3 scripts/run_profile.py "$@"

@@ -60,16 +60,16 @@ def main():
 
 
 def nvtx_cost(inputs):
-    """Median forward time with the stages' NVTX ranges (kda_opt.forward.run's default launch), then
-    with a launch that opens none (the range around the whole forward stays in both)."""
+    """Median forward time with the stages' NVTX ranges (kda_opt/launch.annotated, as KDA_OPT_NVTX=1
+    runs them), then without (the range around the whole forward follows KDA_OPT_NVTX in both)."""
     from triton.testing import do_bench
-    from kda_opt.forward import RUN_TENSORS, annotated, run
+    from kda_opt.forward import RUN_TENSORS, run
+    from kda_opt.launch import annotated, direct
     from kda_opt.plan import make_plan
     plan, tensors = make_plan(**inputs), {n: inputs.get(n) for n in RUN_TENSORS}
-    bare = lambda name, launcher, *args, **kwargs: launcher(*args, **kwargs)
     times = {label: sorted(do_bench(lambda: run(plan, **tensors, launch=launch), return_mode="median")
                            for _ in range(5))[2]
-             for label, launch in (("with NVTX ranges", annotated), ("without", bare))}
+             for label, launch in (("with NVTX ranges", annotated), ("without", direct))}
     print("  ".join(f"{k}: {v:.4f} ms" for k, v in times.items()))
 
 

@@ -358,3 +358,31 @@ def test_forward_ill_conditioned_chunks(gate, neg_eigval, seqlens):
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
     ours, fla = (rel_err(o, ref_o), rel_err(s, ref_s)), (rel_err(fla_o, ref_o), rel_err(fla_s, ref_s))
     assert ours[0] <= fla[0] and ours[1] <= fla[1], (ours, fla)
+
+
+# ---- GPU: the plan's compiled kernels (kda_opt/launch) ----
+
+@gpu
+@pytest.mark.parametrize("call", ["default", "flashkda packed", "time segments"])
+def test_compiled_launches_match_the_jit(call):
+    """After a plan's first call its Triton kernels launch through their compiled handles: every
+    Triton kernel of the call is in the table, and the numbers are the JIT's bit for bit (time
+    segments: one gate and one intra handle serve segments of different lengths)."""
+    from kda_opt import gate, intra, seqs
+    tuning = Tuning(segment_tokens=128) if call == "time segments" else Tuning()
+    args = {"default": lambda: random_inputs(1, 1000, 4, 128, initial_state=True),
+            "flashkda packed": lambda: random_inputs(1, 777, 4, 128, seqlens=[1, 63, 64, 65, 584], l2norm=True,
+                                                     beta_logits=True, state_v_first=True, initial_state=True),
+            "time segments": lambda: random_inputs(1, 1000, 2, 128, gate="softplus", initial_state=True)}[call]()
+    plan = make_plan(**args, tuning=tuning)
+    tensors = {n: args.get(n) for n in RUN_TENSORS}
+    o_jit, s_jit = run(plan, **tensors)
+    kernels = {}
+    run(plan, **tensors, kernels=kernels)
+    expected = {gate.gate_cumsum_kernel, intra.intra_chunk_kernel}
+    if plan.packed:
+        expected |= {seqs.chunk_offsets_kernel, seqs.chunk_indices_kernel}
+    assert set(kernels) == expected
+    o, s = run(plan, **tensors, kernels=kernels)
+    assert torch.equal(o, o_jit) and torch.equal(s, s_jit)
+    assert len(plan.segments) == (6 if call == "time segments" else 1)

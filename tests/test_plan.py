@@ -166,6 +166,107 @@ def test_device_mismatch_raises(name):
         kda_forward(**args)
 
 
+# ---- the plan cache (kda_opt/plan.plan_for): make_plan stubbed, so that these run on CPU tensors ----
+
+@pytest.fixture
+def planned(monkeypatch):
+    """plan_for with make_plan counting its calls: (plan_for, calls), calls a list of the arguments
+    each new plan was made from."""
+    import kda_opt.plan as plan_module
+    calls = []
+    monkeypatch.setattr(plan_module, "make_plan", lambda **a: calls.append(a) or object())
+    monkeypatch.setattr(plan_module, "_plans", {})
+    arguments = lambda **over: {**CALL_DEFAULTS, **cpu_args(output_final_state=False), **over}
+    return (lambda **over: plan_module.plan_for(arguments(**over))), calls
+
+
+# kda_forward's arguments that cpu_args leaves out, at kda_forward's defaults.
+CALL_DEFAULTS = dict(scale=None, initial_state=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, A_log=None, dt_bias=None,
+                     safe_gate=False, lower_bound=None, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+                     chunk_size=64, transpose_state_layout=None, initial_state_indices=None,
+                     initial_state_indices_cpu=None, has_initial_state=None, checkpoints=None)
+
+SAME_SIGNATURE = {
+    "the same tensors": lambda a: {},
+    "other values, same metadata": lambda a: dict(q=torch.randn_like(a["q"]), beta=torch.rand_like(a["beta"])),
+}
+NEW_SIGNATURE = {
+    "shape": lambda a: {n: torch.cat([a[n], a[n]], 1) for n in PER_TOKEN},
+    "stride": lambda a: dict(q=torch.randn(1, 2, 8, 64).transpose(1, 2)),
+    "dtype": lambda a: {n: a[n].half() for n in ("q", "k", "v")},
+    "device": lambda a: {n: a[n].to("meta") for n in ("q", "k", "v", "g", "beta")},
+    "alignment": lambda a: dict(g=torch.randn(a["g"].numel() + 1)[1:].view(a["g"].shape)),
+    "requires_grad": lambda a: dict(q=a["q"].clone().requires_grad_()),
+    "a flag": lambda a: dict(use_qk_l2norm_in_kernel=True),
+    "an option's value": lambda a: dict(lower_bound=-4.0),
+    "the scale": lambda a: dict(scale=0.5),
+    "an input given": lambda a: dict(initial_state=torch.zeros(1, 2, 64, 64)),
+    "a host copy given": lambda a: dict(cu_seqlens=torch.tensor([0, 8]), cu_seqlens_cpu=torch.tensor([0, 8])),
+}
+
+
+@pytest.mark.parametrize("name", list(SAME_SIGNATURE) + list(NEW_SIGNATURE))
+def test_plan_cache_keys_on_the_whole_signature(planned, name):
+    """A call whose signature was planned before reuses that plan; any change a check or a choice of
+    make_plan reads (shape, stride, dtype, device, alignment, requires_grad, flag or option) makes a
+    new one."""
+    plan_for, calls = planned
+    base = cpu_args(output_final_state=False)
+    first = plan_for(**base)
+    change = {**SAME_SIGNATURE, **NEW_SIGNATURE}[name](base)
+    second = plan_for(**base, **change) if not set(change) & set(base) else plan_for(**{**base, **change})
+    assert (second is first) == (name in SAME_SIGNATURE)
+    assert len(calls) == (1 if name in SAME_SIGNATURE else 2)
+
+
+def test_plan_cache_grad_mode_and_warnings(planned):
+    """The grad mode is part of the signature (requires_grad is an error only with it on); a call
+    with the deprecated transpose_state_layout is planned, and so warned about, every time."""
+    plan_for, calls = planned
+    plan_for()
+    with torch.no_grad():
+        plan_for()
+    plan_for(transpose_state_layout=True)
+    plan_for(transpose_state_layout=True)
+    assert len(calls) == 4
+
+
+HOST_COPY_ERRORS = {
+    "cu_seqlens_cpu falls": (dict(cu_seqlens_cpu=torch.tensor([0, 6, 5, 8])), "cu_seqlens_cpu must rise"),
+    "cu_seqlens_cpu short of T": (dict(cu_seqlens_cpu=torch.tensor([0, 3, 7, 7])), "cu_seqlens_cpu must rise"),
+    "checkpoints short of the lengths": (dict(cu_seqlens_cpu=torch.tensor([0, 3, 5, 8])), "checkpoints must have shape"),
+    "a slot past the pool": (dict(initial_state_indices_cpu=torch.tensor([0, 4, 1])), "below the pool's 4 slots"),
+    "a slot twice": (dict(initial_state_indices_cpu=torch.tensor([2, -1, 2])), "twice"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOST_COPY_ERRORS))
+def test_plan_cache_checks_host_copies_every_call(planned, case):
+    """The host copies' values are in no signature: a call that reuses a plan still raises on them,
+    with make_plan's message."""
+    plan_for, calls = planned
+    good = dict(cu_seqlens=torch.tensor([0, 8, 8, 8]), cu_seqlens_cpu=torch.tensor([0, 8, 8, 8]),
+                initial_state=POOL, initial_state_indices=torch.tensor([0, 2, 1]),
+                initial_state_indices_cpu=torch.tensor([0, 2, 1]), checkpoints=torch.zeros(1, 1, 2, 64, 64))
+    plan_for(**good)
+    over, words = HOST_COPY_ERRORS[case]
+    with pytest.raises(ValueError, match=words):
+        plan_for(**{**good, **over})
+    assert len(calls) == 1   # the signature's plan, reused
+
+
+def test_plan_cache_is_bounded(planned):
+    """The oldest signature goes past PLAN_CACHE_SIZE."""
+    import kda_opt.plan as plan_module
+    plan_for, calls = planned
+    for scale in range(plan_module.PLAN_CACHE_SIZE + 1):
+        plan_for(scale=float(scale + 1))
+    assert len(plan_module._plans) == plan_module.PLAN_CACHE_SIZE
+    plan_for(scale=1.0)
+    assert len(calls) == plan_module.PLAN_CACHE_SIZE + 2
+
+
 def test_time_segments():
     """Where a lone sequence is cut into time segments (kda_opt/plan), and how."""
     cut = lambda T, N=1, programs=64, is_packed=False, tokens=8192, count=8: time_segments(
@@ -234,3 +335,13 @@ def test_plan_time_segments_and_block_v():
     tuned = make_plan(**random_inputs(1, 1000, 2, 128), tuning=Tuning(segment_tokens=128, block_v=64,
                                                                        intra_warps=2, worker_warps=4))
     assert tuned.block_v == 64 and len(tuned.segments) == 6 and (tuned.intra_warps, tuned.worker_warps) == (2, 4)
+
+
+def test_nvtx_ranges_only_when_asked(monkeypatch):
+    """kda_forward's stage ranges follow KDA_OPT_NVTX, read on every call (kda_opt/launch)."""
+    from kda_opt.launch import NVTX_VARIABLE, nvtx_enabled
+    monkeypatch.delenv(NVTX_VARIABLE, raising=False)
+    assert not nvtx_enabled()
+    for value, on in (("1", True), ("0", False), ("", False)):
+        monkeypatch.setenv(NVTX_VARIABLE, value)
+        assert nvtx_enabled() == on

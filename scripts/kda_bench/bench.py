@@ -7,6 +7,8 @@ Entry point: `python scripts/test.py ...`.
     --test fla        kda_forward vs FLA chunk_kda on the full shape
     --test benchmark  FLA, FlashKDA and kda_forward on the same inputs, alternating, medians of do_bench
     --test all        the three above (default); --sweep runs the sweep instead
+    --test host       host time per call of kda_forward, FLA and FlashKDA, eager against a CUDA graph
+                      (kda_bench/host) → <out-dir>/host_<gpu>.csv
 Exit code: 0 when every check passes, 1 when a correctness check fails, 2 when the machine cannot
 run the request (no GPU, no fla-core).
 """
@@ -109,7 +111,7 @@ class Case:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="scripts/test.py", description=__doc__.splitlines()[0])
-    p.add_argument("--test", choices=["naive", "fla", "benchmark", "all"], default="all")
+    p.add_argument("--test", choices=["naive", "fla", "benchmark", "all", "host"], default="all")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--num-heads", type=int, default=96)
@@ -151,7 +153,7 @@ def parse_args(argv=None):
                         "(the packed mixes and the l2norm row); peers (the peers' rows: PEER_SHAPES, then "
                         "PEER_PACKED); short (the many-short-sequence mixes alone, SHORT_MIXES); step (the "
                         "serving step with a state pool, SERVING_STEPS: kda_bench/serving)")
-    p.add_argument("--out-dir", default="profiles", help="where --sweep writes its CSV and PNG")
+    p.add_argument("--out-dir", default="profiles", help="where --sweep and --test host write their CSV (and PNG)")
     args = p.parse_args(argv)
     if args.chunk_size != 64:
         p.error("--chunk-size: kda_opt computes chunk size 64 only")
@@ -490,13 +492,21 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         return refuse("needs a CUDA GPU (none found); the CPU test suite is `bash scripts/check.sh`")
     fla = peers.fla_chunk_kda()
-    if fla is None and (args.sweep or args.test in ("fla", "benchmark", "all")):
+    if fla is None and (args.sweep or args.test in ("fla", "benchmark", "all", "host")):
         return refuse(f"--test {args.test} needs fla-core (pip install 'kda-opt[bench]')")
     from triton import __version__ as triton_version
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton_version}, "
           f"FLA_FLASH_KDA={os.environ.get('FLA_FLASH_KDA')}")
 
     ok = True
+    if args.test == "host":
+        from . import host
+        rows = host.host_rows(fla, args.out_dir)
+        print(f"\n{'call':42s} {'ours host':>9} {'FLA host':>9} {'FKDA host':>9} {'eager':>7} {'graph':>7}")
+        for r in rows:
+            cells = [r[f] for f in host.FIELDS[1:]]
+            print(f"{r['call']:42s} " + " ".join(f"{c:9.4f}" if isinstance(c, float) else f"{c:>9}" for c in cells))
+        return 0
     if args.sweep:
         ceilings = measure_ceilings()
         cases = sweep_cases(args)

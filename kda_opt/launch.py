@@ -1,0 +1,65 @@
+"""Kernel launches at a small host cost: Triton kernels through their compiled handles, the current
+stream's raw handle, and NVTX ranges only when asked for.
+
+A Triton kernel launched as fn[grid](...) binds and specialises its arguments in Python on every call
+(the JIT's run). A plan fixes everything a specialisation depends on: dtypes, strides and constants,
+which inputs are absent, pointer alignment, the integers the kernel is specialised on (kda_opt/plan's
+call signature; lengths that vary within one plan, a time segment's T, are marked do_not_specialize).
+So kda_opt/forward gives each plan a `Kernels` table: a kernel's first launch under the plan goes
+through the JIT (which compiles it, or finds it in its caches) and keeps the compiled kernel; later
+launches hand the arguments straight to its launcher.
+"""
+import os
+
+import nvtx
+import torch
+from triton import knobs
+
+Kernels = dict  # JITFunction → its compiled kernel, for one plan
+
+
+def triton_launch(fn, grid, kernels: Kernels | None, **args):
+    """fn[grid](**args), through the compiled kernel held in `kernels` where it is there (None: always
+    through the JIT). args: the kernel's parameters by name, and launch options (num_warps)."""
+    kernel = None if kernels is None else kernels.get(fn)
+    if kernel is None or _launch_hooks():
+        # First launch under the plan, or a profiler's launch hook that wants the JIT's launch
+        # metadata. Under TRITON_INTERPRET the launch returns no compiled kernel: every launch is here.
+        kernel = fn[grid](**args)
+        if kernels is not None and hasattr(kernel, "packed_metadata"):
+            kernels[fn] = kernel
+        return
+    g = tuple(grid) + (1,) * (3 - len(grid))
+    kernel.run(g[0], g[1], g[2], current_stream(), kernel.function, kernel.packed_metadata, None, None, None,
+               *[args[name] for name in fn.arg_names])
+
+
+def _launch_hooks() -> bool:
+    """Whether a launch hook is set (a HookChain with calls, or a hook itself in other Triton versions)."""
+    hook = knobs.runtime.launch_enter_hook
+    return bool(getattr(hook, "calls", hook))
+
+
+def current_stream() -> int:
+    """The current CUDA stream of the current device, as a raw handle (what Triton's JIT launches on)."""
+    return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+
+
+NVTX_VARIABLE = "KDA_OPT_NVTX"
+
+
+def nvtx_enabled() -> bool:
+    """Whether kda_forward marks its stages with NVTX ranges: KDA_OPT_NVTX=1 in the environment
+    (scripts/profile.sh sets it); read on every call."""
+    return os.environ.get(NVTX_VARIABLE, "0") not in ("", "0")
+
+
+def annotated(name, launcher, *args, **kwargs):
+    """A stage launch inside the NVTX range `kda_opt/<name>` of the `kda_opt` domain."""
+    with nvtx.annotate(f"kda_opt/{name}", domain="kda_opt"):
+        return launcher(*args, **kwargs)
+
+
+def direct(name, launcher, *args, **kwargs):
+    """A stage launch without a range."""
+    return launcher(*args, **kwargs)

@@ -1,0 +1,126 @@
+"""Host time per call (`--test host`, docs/BENCHMARKING.md): how long each system keeps the CPU to
+enqueue one call, for the calls an engine makes at sizes where that time, not the GPU's, bounds a
+layer (Kimi-Linear calls KDA once per layer; prefill steps usually run outside CUDA graphs).
+
+    host ms    wall time of CALLS calls back to back without synchronising, per call (their GPU work
+               is shorter, so the GPU waits on the host), the median of REPEATS such runs, the
+               systems taking turns
+    eager ms   the call's median time (do_bench) as launched, for kda_opt
+    graph ms   the same call replayed from a CUDA graph: eager / graph is what the host costs the GPU
+Rows (HOST_CALLS): Kimi-Linear's H = 32, K = V = 128, bf16, an fp32 initial state; FLA and FlashKDA
+where they make the call as it is (empty otherwise). Every call runs under torch.inference_mode(), as
+a serving engine runs its model. Written to <out-dir>/host_<gpu>.csv.
+"""
+import csv
+import os
+import statistics
+import time
+
+import torch
+
+from . import peers, serving
+from .bench import NOT_RUN, Case, gpu_tag
+
+CALLS, REPEATS = 200, 7
+H, K = 32, 128
+# (row name, Case fields, what the call adds to the case's arguments): every configuration the
+# benchmark knows, fixed-length and packed, packed with and without cu_seqlens_cpu, a state pool
+# (serving, with and without initial_state_indices_cpu), checkpoints.
+PACKED = (64,) * 8
+HOST_CALLS = [
+    ("default T=64", dict(T=64), "dense"),
+    ("default (1, 2048, 16)", dict(T=2048, H=16), "dense"),
+    ("flashkda T=64", dict(T=64, config="flashkda"), "dense"),
+    ("flashkda T=1024", dict(T=1024, config="flashkda"), "dense"),
+    ("flashkda 8x64 packed, cu_seqlens_cpu", dict(T=512, seqlens=PACKED, config="flashkda"), "dense"),
+    ("flashkda 8x64 packed, no cu_seqlens_cpu", dict(T=512, seqlens=PACKED, config="flashkda"), "no host copy"),
+    ("serving 8x64 state pool", dict(T=512, seqlens=PACKED, config="serving"), "pool"),
+    ("serving 8x64 state pool, indices_cpu", dict(T=512, seqlens=PACKED, config="serving"), "pool, indices_cpu"),
+    ("serving 8x64 checkpoints", dict(T=512, seqlens=PACKED, config="serving"), "pool, checkpoints"),
+]
+FIELDS = ["call", "kda_opt_host_ms", "fla_host_ms", "flashkda_host_ms", "kda_opt_eager_ms", "kda_opt_graph_ms"]
+
+
+def host_ms(runs):
+    """{system: ms}: per call, the wall time of CALLS calls of a system without a synchronisation; the
+    systems take turns, REPEATS rounds, and each keeps its median round (the host's speed drifts)."""
+    for f in runs.values():
+        for _ in range(10):
+            f()
+    rounds = {system: [] for system in runs}
+    for _ in range(REPEATS):
+        for system, f in runs.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(CALLS):
+                f()
+            rounds[system].append((time.perf_counter() - t0) / CALLS * 1e3)
+    torch.cuda.synchronize()
+    return {system: statistics.median(r) for system, r in rounds.items()}
+
+
+def graph_ms(f):
+    """Median ms of f replayed from a CUDA graph (captured after a warm-up on a side stream)."""
+    from triton.testing import do_bench
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        f()
+    return do_bench(graph.replay, return_mode="median")
+
+
+def calls(case: Case, extra: str, fla, kda_forward):
+    """{system: call} for one row: kda_opt always, FLA and FlashKDA where they make the call as it is."""
+    args = case.inputs()
+    if extra == "no host copy":
+        args.pop("cu_seqlens_cpu")
+    if extra.startswith("pool"):
+        pool, slots, has_state = serving.pool_of(args, case.seed)
+        args = {**args, "initial_state": pool, "initial_state_indices": slots, "has_initial_state": has_state,
+                "output_final_state": False}
+        if "indices_cpu" in extra:
+            args["initial_state_indices_cpu"] = slots.cpu()
+        if "checkpoints" in extra:
+            N = slots.shape[0]
+            args["checkpoints"] = torch.empty(1, -(-case.T // 64) + N - 1, *pool.shape[1:], device=pool.device)
+        return {"kda_opt": lambda: kda_forward(**args)}
+    runs = {"kda_opt": lambda: kda_forward(**args), "fla": lambda: fla(**args)}
+    flashkda, _ = peers.flashkda(args)
+    if flashkda:
+        runs["flashkda"] = flashkda
+    return runs
+
+
+@torch.inference_mode()
+def host_rows(fla, out_dir):
+    """Measures every row of HOST_CALLS, writes <out_dir>/host_<gpu>.csv and returns the rows."""
+    from triton.testing import do_bench
+    from kda_opt import kda_forward
+    rows = []
+    for name, fields, extra in HOST_CALLS:
+        case = Case(**{"B": 1, "H": H, "K": K, "gate": "safe", "lower_bound": -5.0, "dtype": torch.bfloat16,
+                       "seed": 0, **fields})
+        runs = calls(case, extra, fla, kda_forward)
+        for f in runs.values():   # JIT and FLA's autotuning stay out of the timings
+            f()
+        host = host_ms(runs)
+        row = dict(call=name, kda_opt_host_ms=host["kda_opt"], fla_host_ms=host.get("fla", NOT_RUN),
+                   flashkda_host_ms=host.get("flashkda", NOT_RUN),
+                   kda_opt_eager_ms=do_bench(runs["kda_opt"], return_mode="median"),
+                   kda_opt_graph_ms=graph_ms(runs["kda_opt"]))
+        print("  " + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
+              flush=True)
+        rows.append(row)
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"host_{gpu_tag()}.csv")
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: f"{v:.4f}" if isinstance(v, float) else v for k, v in r.items()})
+    print(f"wrote {path}")
+    return rows
