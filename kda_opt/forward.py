@@ -124,7 +124,9 @@ def kda_forward(
             negative index (SGLang pads with −1) starts from zeros and writes nothing; an index at
             or past ``slots`` reads as zeros and writes nothing on the device (a caller error that
             ``initial_state_indices_cpu`` catches). Then ``output_final_state`` must be False and
-            the call returns ``(o, None)``. Two sequences must not name the same slot.
+            the call returns ``(o, None)``. Two sequences must not name the same slot: their programs
+            race on its row, and the state left there (and each one's start, if one reads after the
+            other writes) is undefined; ``initial_state_indices_cpu`` catches it.
         initial_state_indices_cpu: the same indices on the CPU (optional): then checked here (below
             ``slots``, no slot twice), without a host-device synchronisation.
         has_initial_state: ``[N]`` bool on q's device (vLLM's name): sequence n starts from zeros
