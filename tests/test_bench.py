@@ -127,7 +127,7 @@ def test_plot_before_any_h32_row(tmp_path, recwarn):
     assert not [w for w in recwarn if "legend" in str(w.message)]
 
 
-@pytest.mark.parametrize("test", ["naive", "fla", "benchmark", "all"])
+@pytest.mark.parametrize("test", ["naive", "fla", "benchmark", "all", "host"])
 def test_refuses_without_gpu(monkeypatch, capsys, test):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench.main(["--test", test]) == 2
@@ -297,3 +297,29 @@ def test_serving_step_row(monkeypatch):
     assert all(isinstance(row[n], float) for n in ("kda_opt_dense_ms", "pool_cost_pct", "kda_opt_ckpt_ms",
                                                    "ckpt_cost_pct"))
     assert row["config"] == "serving" and row["flashkda_ms"] == bench.NOT_RUN
+
+
+def test_host_rows_make_the_calls_they_name(monkeypatch):
+    """--test host (kda_bench/host): each row's kda_forward call carries what its name says (the host
+    copies, the pool, checkpoints), and the peers are timed only on calls they can make as they are."""
+    from kda_bench import host
+    real_inputs = bench.Case.inputs
+    monkeypatch.setattr(bench.Case, "inputs", lambda self, **kw: real_inputs(self, device="cpu", **kw))
+    monkeypatch.setattr(host.peers, "flashkda", lambda args: ((lambda: None), None) if args.get("state_v_first")
+                        else (None, "not its call"))
+    names = [name for name, _, _ in host.HOST_CALLS]
+    assert len(set(names)) == len(names)
+    for name, fields, extra in host.HOST_CALLS:
+        made = []
+        case = bench.Case(**{"B": 1, "H": host.H, "K": host.K, "gate": "safe", "lower_bound": -5.0,
+                             "dtype": torch.bfloat16, "seed": 0, **fields})
+        runs = host.calls(case, extra, fla=lambda **a: None, kda_forward=lambda **a: made.append(a))
+        runs["kda_opt"]()
+        a = made[0]
+        packed = case.seqlens is not None
+        assert ("cu_seqlens_cpu" in a) == (packed and "no cu_seqlens_cpu" not in name), name
+        assert ("initial_state_indices" in a) == ("pool" in extra), name
+        assert ("initial_state_indices_cpu" in a) == ("indices_cpu" in name), name
+        assert ("checkpoints" in a) == ("checkpoints" in name), name
+        assert set(runs) == ({"kda_opt"} if "pool" in extra else
+                             {"kda_opt", "fla"} | ({"flashkda"} if case.config == "flashkda" else set())), name
