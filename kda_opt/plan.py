@@ -10,8 +10,8 @@ others. kda_forward makes a call signature's plan once (plan_for): the signature
 checks and the plan read (every tensor's shape, strides, dtype, device, requires_grad and 16-byte
 alignment, every option's value, the grad mode) but the host copies' values (cu_seqlens_cpu,
 initial_state_indices_cpu), which are checked on every call; a call whose signature was planned
-before has passed every check the plan made. Absent inputs are None in every signature of the package (the cuTile launch alone swaps in a
-stand-in, as cuTile takes arrays only: kda_opt/wuso).
+before has passed every check the plan made. Absent inputs are None in every signature of the
+package (the cuTile launch alone swaps in a stand-in, as cuTile takes arrays only: kda_opt/wuso).
 
 Time segments. Stage 4 runs one program per (sequence, value head, V block) through the whole
 sequence, so where B·H is small most SMs idle through it ((1, 65536, 16): 64 programs on 132 SMs).

@@ -43,7 +43,7 @@ def num_sequences(B: int, cu_seqlens: torch.Tensor | None) -> int:
 @functools.lru_cache(maxsize=1024)
 def fixed(T: int) -> Seqs:
     """B sequences of T tokens each: the chunk slots of one (the grid covers B·HV of them)."""
-    return Seqs(chunk_slots=triton.cdiv(T, CHUNK))
+    return Seqs(chunk_slots=-(-T // CHUNK))
 
 
 def packed(cu_seqlens: torch.Tensor, T: int, kernels: Kernels | None = None) -> Seqs:

@@ -1,6 +1,8 @@
 """The plan (kda_opt/plan): every bad input raises before any kernel runs (CPU: all shape, dtype and
 option checks precede the device check), the launch decisions as pure functions (CPU), and on the GPU
 what make_plan resolves for the calls users make."""
+import inspect
+
 import pytest
 import torch
 
@@ -180,12 +182,9 @@ def planned(monkeypatch):
     return (lambda **over: plan_module.plan_for(arguments(**over))), calls
 
 
-# kda_forward's arguments that cpu_args leaves out, at kda_forward's defaults.
-CALL_DEFAULTS = dict(scale=None, initial_state=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
-                     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, A_log=None, dt_bias=None,
-                     safe_gate=False, lower_bound=None, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
-                     chunk_size=64, transpose_state_layout=None, initial_state_indices=None,
-                     initial_state_indices_cpu=None, has_initial_state=None, checkpoints=None)
+# kda_forward's arguments at its defaults (every one but q, k, v, g, beta), under cpu_args' values.
+CALL_DEFAULTS = {n: p.default for n, p in inspect.signature(kda_forward).parameters.items()
+                 if p.default is not inspect.Parameter.empty}
 
 SAME_SIGNATURE = {
     "the same tensors": lambda a: {},

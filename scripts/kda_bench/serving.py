@@ -27,6 +27,12 @@ def pool_of(args, seed):
     return pool, slots, has_state
 
 
+def checkpoint_buffer(pool, T, N):
+    """A checkpoint buffer for N packed requests of T tokens in all, in the pool's row layout: the
+    cdiv(T, 64) + N − 1 rows that always suffice (kda_forward's docstring)."""
+    return torch.empty(1, -(-T // 64) + N - 1, *pool.shape[1:], device=pool.device)
+
+
 def step_runs(args, fla, kda_forward, seed=0):
     """({system: step()}, why FlashKDA does not run or None) for the serving step on kda_forward's
     keyword arguments `args` (which hold the dense initial states)."""
@@ -36,7 +42,7 @@ def step_runs(args, fla, kda_forward, seed=0):
     dense = {**args, "initial_state": gathered, "output_final_state": True}
     pooled = {**args, "initial_state": pool, "initial_state_indices": slots, "has_initial_state": has_state,
               "output_final_state": False}
-    checkpoints = torch.empty(1, -(-T // 64) + N - 1, *pool.shape[1:], device=pool.device)
+    checkpoints = checkpoint_buffer(pool, T, N)
     zeroed = ~has_state[:, None, None, None]
 
     def gather():
