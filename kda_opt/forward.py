@@ -29,7 +29,7 @@ from .intra import intra_chunk
 from .launch import Kernels, annotated, direct, nvtx_enabled
 from .options import CHUNK, state_shape
 from .plan import Plan, plan_for
-from .seqs import packed
+from .seqs import block_offsets, packed
 from .wuso import wuso
 
 
@@ -60,6 +60,7 @@ def kda_forward(
     initial_state_indices_cpu: torch.Tensor | None = None,
     has_initial_state: torch.Tensor | None = None,
     checkpoints: torch.Tensor | None = None,
+    checkpoint_every: int = CHUNK,
 ):
     r"""Forward pass of Kimi Delta Attention; the same function as FLA 0.6.0 ``chunk_kda``.
 
@@ -140,6 +141,12 @@ def kda_forward(
             ``Σ_{m<n} cdiv(len_m, 64) + j`` (the layout of FLA's intermediate states); rows past NT
             are not written, and ``NT = cdiv(T, 64) + N − 1`` always suffices. Written in place,
             on the current stream; the rows no chunk maps to are left as they are.
+        checkpoint_every: tokens between checkpoints, a positive multiple of 64 (default 64: every
+            chunk; needs ``checkpoints``). Row j of a sequence is then its state after its first
+            ``min(checkpoint_every·(j+1), len)`` tokens, for ``j < cdiv(len, checkpoint_every)``
+            (the last row: its final state), packed ones from row ``Σ_{m<n} cdiv(len_m,
+            checkpoint_every)``; ``NT = cdiv(T, checkpoint_every) + N − 1`` suffices. For prefix
+            caching at cache-block boundaries (vLLM's block size) without a state per chunk.
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state as above, or None (also
@@ -167,7 +174,7 @@ def kda_forward(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
             use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias, safe_gate,
             lower_bound, state_v_first, cu_seqlens, chunk_size, transpose_state_layout, initial_state_indices,
-            has_initial_state, checkpoints)
+            has_initial_state, checkpoints, checkpoint_every)
         return o, final if output_final_state else None
     plan, kernels = plan_for(dict(
         q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
@@ -177,7 +184,7 @@ def kda_forward(
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size,
         transpose_state_layout=transpose_state_layout, initial_state_indices=initial_state_indices,
         initial_state_indices_cpu=initial_state_indices_cpu, has_initial_state=has_initial_state,
-        checkpoints=checkpoints))
+        checkpoints=checkpoints, checkpoint_every=checkpoint_every))
     return run(plan, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, initial_state_indices,
                has_initial_state, checkpoints, kernels=kernels)
 
@@ -208,7 +215,8 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
         A_log = dt_bias = None
     prepare = functools.partial(_stages_1_to_3, plan, launch, kernels, A_log=A_log, dt_bias=dt_bias)
     stage4 = functools.partial(launch, "wuso", wuso, scale=plan.scale, block_v=plan.block_v,
-                               state_v_first=plan.state_v_first, worker_warps=plan.worker_warps)
+                               state_v_first=plan.state_v_first, worker_warps=plan.worker_warps,
+                               checkpoint_every=plan.checkpoint_every // CHUNK)
     with nvtx.annotate("kda_opt/forward", domain="kda_opt") if ranges else contextlib.nullcontext():
         seqs = launch("seqs", packed, cu_seqlens, plan.T, kernels) if plan.packed else None
         final = initial_state if plan.state_pool else _final_state(plan, v) if plan.output_final_state else None
@@ -217,11 +225,21 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
         if len(plan.segments) == 1:
             gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, seqs)
             o = stage4(q, k, v, gcum, Tm, Aqk, **state, checkpoints=checkpoints,
-                       checkpoint_rows=None if checkpoints is None or seqs is None else seqs.chunk_offsets,
+                       checkpoint_rows=_checkpoint_rows(plan, checkpoints, seqs, kernels),
                        cu_seqlens=cu_seqlens, qk_rstd=rstd, beta_residual=r)
         else:
             o = _pipelined(plan, q, k, v, g, beta, state, checkpoints, prepare, stage4)
         return o, None if plan.state_pool else final
+
+
+def _checkpoint_rows(plan: Plan, checkpoints, seqs, kernels):
+    """Packed with checkpoints: each sequence's first checkpoint row, [N + 1] int32 (kda_opt/seqs);
+    else None."""
+    if checkpoints is None or seqs is None:
+        return None
+    if plan.checkpoint_every == CHUNK:
+        return seqs.chunk_offsets
+    return block_offsets(seqs.cu_seqlens, plan.T, plan.checkpoint_every, kernels)
 
 
 def _final_state(plan: Plan, like: torch.Tensor) -> torch.Tensor:
@@ -274,6 +292,6 @@ def _pipelined(plan: Plan, q, k, v, g, beta, state, checkpoints, prepare, stage4
         stage4(part(q), part(k), part(v), gcum, Tm, Aqk, **reads,
                final_state=state["final_state"] if i == last else handed[i % 2], slots=state["slots"],
                read_slots=i == 0 and state["read_slots"], write_slots=i == last and state["write_slots"],
-               checkpoints=None if checkpoints is None else checkpoints[:, t0 // CHUNK:], qk_rstd=rstd,
+               checkpoints=None if checkpoints is None else checkpoints[:, t0 // plan.checkpoint_every:], qk_rstd=rstd,
                beta_residual=r, out=part(o))
     return o

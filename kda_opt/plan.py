@@ -67,6 +67,7 @@ class Plan:
     packed: bool                  # cu_seqlens given
     copied: tuple[str, ...]       # of q, k, v, beta: those read as contiguous copies (their token rows
                                   # not readable through their strides, _rows_readable)
+    checkpoint_every: int         # tokens between checkpoints (a multiple of CHUNK)
     block_v: int                  # stage 4's V columns per program
     segments: tuple[tuple[int, int], ...]  # token ranges run one after another (time segments)
     intra_warps: int
@@ -78,7 +79,7 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
               allow_neg_eigval=False, A_log=None, dt_bias=None, safe_gate=False, lower_bound=None,
               state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_size=CHUNK,
               transpose_state_layout=None, initial_state_indices=None, initial_state_indices_cpu=None,
-              has_initial_state=None, checkpoints=None, tuning: Tuning = Tuning()) -> Plan:
+              has_initial_state=None, checkpoints=None, checkpoint_every=CHUNK, tuning: Tuning = Tuning()) -> Plan:
     """kda_forward's arguments (its docstring says what each means) checked and resolved into a Plan."""
     if transpose_state_layout is not None:
         if state_v_first:
@@ -93,8 +94,9 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                   state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                   chunk_size=chunk_size)
     _validate_serving(q, v, N, initial_state, output_final_state, initial_state_indices, initial_state_indices_cpu,
-                      has_initial_state, checkpoints, state_v_first, cu_seqlens)
-    check_host_copies(q.shape[1], cu_seqlens_cpu, initial_state_indices_cpu, initial_state, checkpoints)
+                      has_initial_state, checkpoints, checkpoint_every, state_v_first, cu_seqlens)
+    check_host_copies(q.shape[1], cu_seqlens_cpu, initial_state_indices_cpu, initial_state, checkpoints,
+                      checkpoint_every)
     _validate_devices(q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias,
                       cu_seqlens=cu_seqlens, initial_state_indices=initial_state_indices,
                       has_initial_state=has_initial_state, checkpoints=checkpoints)
@@ -115,8 +117,9 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         state_v_first=state_v_first, packed=cu_seqlens is not None,
         copied=tuple(n for n, x in (("q", q), ("k", k), ("v", v), ("beta", beta)) if not _rows_readable(x)),
         block_v=block_v,
+        checkpoint_every=checkpoint_every,
         segments=time_segments(T, N, N * HV * (V // block_v), sms, cu_seqlens is not None, tuning.segment_tokens,
-                               tuning.max_segments),
+                               tuning.max_segments, checkpoint_every if checkpoints is not None else CHUNK),
         intra_warps=tuning.intra_warps or warps_for(q.dtype), worker_warps=tuning.worker_warps,
     )
 
@@ -130,7 +133,7 @@ TENSOR_ARGUMENTS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bi
                     "initial_state_indices", "initial_state_indices_cpu", "has_initial_state", "checkpoints")
 OPTION_ARGUMENTS = ("scale", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
                     "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate", "lower_bound", "state_v_first",
-                    "chunk_size")
+                    "chunk_size", "checkpoint_every")
 _OPTION_TYPES = frozenset((bool, int, float, type(None)))
 
 
@@ -148,7 +151,8 @@ def plan_for(arguments: dict) -> tuple[Plan, Kernels]:
             _plans[key] = entry
     else:
         check_host_copies(arguments["q"].shape[1], arguments["cu_seqlens_cpu"],
-                          arguments["initial_state_indices_cpu"], arguments["initial_state"], arguments["checkpoints"])
+                          arguments["initial_state_indices_cpu"], arguments["initial_state"], arguments["checkpoints"],
+                          arguments["checkpoint_every"])
     return entry
 
 
@@ -184,7 +188,7 @@ def _rows_readable(x: torch.Tensor) -> bool:
             and x.stride(1) * x.element_size() % 16 == 0 and x.data_ptr() % 16 == 0)
 
 
-def check_host_copies(T, cu_seqlens_cpu, initial_state_indices_cpu, initial_state, checkpoints):
+def check_host_copies(T, cu_seqlens_cpu, initial_state_indices_cpu, initial_state, checkpoints, checkpoint_every=CHUNK):
     """The checks that read the host copies' values (their types and shapes are checked before):
     cu_seqlens_cpu rising from 0 to T and, with it, checkpoints' rows; initial_state_indices_cpu
     below the pool's slots, no slot twice. Read as lists: a few µs a call."""
@@ -192,8 +196,9 @@ def check_host_copies(T, cu_seqlens_cpu, initial_state_indices_cpu, initial_stat
         cu = cu_seqlens_cpu.tolist()
         if cu[0] != 0 or cu[-1] != T or not all(map(operator.le, cu, cu[1:])):
             raise ValueError(f"cu_seqlens_cpu must rise from 0 to T={T}, got {cu[:8]}{' ...' if len(cu) > 8 else ''}")
-        if checkpoints is not None and checkpoints.shape[1] < sum(-(-(b - a) // CHUNK) for a, b in zip(cu, cu[1:])):
-            raise _checkpoints_shape_error(checkpoints, "Σ cdiv(len_n, 64)")
+        every = checkpoint_every
+        if checkpoints is not None and checkpoints.shape[1] < sum(-(-(b - a) // every) for a, b in zip(cu, cu[1:])):
+            raise _checkpoints_shape_error(checkpoints, f"Σ cdiv(len_n, {every})", every)
     if initial_state_indices_cpu is not None:
         slots, ids = initial_state.shape[0], initial_state_indices_cpu.tolist()
         if max(ids) >= slots:
@@ -206,15 +211,16 @@ def check_host_copies(T, cu_seqlens_cpu, initial_state_indices_cpu, initial_stat
 
 
 def time_segments(T: int, N: int, programs: int, sms: int, is_packed: bool, segment_tokens: int,
-                  max_segments: int) -> tuple[tuple[int, int], ...]:
+                  max_segments: int, align: int = CHUNK) -> tuple[tuple[int, int], ...]:
     """((t0, t1), ...): the token ranges the forward runs as segments (module docstring), at least
-    segment_tokens each and at most max_segments, each a whole number of chunks but the last; ((0,
+    segment_tokens each and at most max_segments, each a multiple of `align` tokens (a multiple of
+    CHUNK: whole chunks, or whole checkpoint intervals) but the last; ((0,
     T),) where cutting does not pay: several or packed sequences, stage 4's programs filling more
     than half the SMs, or T below two segments."""
     if max_segments < 2 or is_packed or N != 1 or 2 * programs > sms or T < 2 * segment_tokens:
         return ((0, T),)
     count = min(max_segments, T // segment_tokens)
-    step = -(-T // (count * CHUNK)) * CHUNK
+    step = -(-T // (count * align)) * align
     return tuple((t0, min(t0 + step, T)) for t0 in range(0, T, step))
 
 
@@ -302,7 +308,7 @@ def _validate_devices(q, **tensors):
 
 
 def _validate_serving(q, v, N, initial_state, output_final_state, indices, indices_cpu, has_initial_state,
-                      checkpoints, state_v_first, cu_seqlens):
+                      checkpoints, checkpoint_every, state_v_first, cu_seqlens):
     """Checks the state pool (initial_state with initial_state_indices), has_initial_state and the
     checkpoint buffer, as a serving engine passes them (kda_forward's docstring)."""
     B, T, _, K = q.shape
@@ -345,24 +351,31 @@ def _validate_serving(q, v, N, initial_state, output_final_state, indices, indic
             raise ValueError(f"has_initial_state must have shape [{N}], got {list(has_initial_state.shape)}")
         if initial_state is None:
             raise ValueError("has_initial_state needs initial_state (the states it selects)")
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < CHUNK \
+            or checkpoint_every % CHUNK:
+        raise ValueError(f"checkpoint_every must be a positive multiple of {CHUNK} tokens, got {checkpoint_every!r}")
+    if checkpoint_every != CHUNK and checkpoints is None:
+        raise ValueError("checkpoint_every is the spacing of the states written into checkpoints: it needs "
+                         "checkpoints")
     if checkpoints is not None:
         if not isinstance(checkpoints, torch.Tensor):
             raise TypeError(f"checkpoints must be a torch.Tensor, got {type(checkpoints).__name__}")
         _check_state_dtype("checkpoints", checkpoints)
-        need = -(-T // CHUNK)   # packed: Σ cdiv(len_n, 64), checked where cu_seqlens_cpu is given
+        every = checkpoint_every
+        need = -(-T // every)   # packed: Σ cdiv(len_n, every), checked where cu_seqlens_cpu is given
         if (checkpoints.dim() != 5 or checkpoints.shape[0] != B or tuple(checkpoints.shape[2:]) != row
                 or cu_seqlens is None and checkpoints.shape[1] < need):
-            raise _checkpoints_shape_error(checkpoints, "Σ cdiv(len_n, 64)" if cu_seqlens is not None else f"{need}",
-                                           B, row)
+            raise _checkpoints_shape_error(checkpoints, f"Σ cdiv(len_n, {every})" if cu_seqlens is not None
+                                           else f"{need}", every, B, row)
 
 
-def _checkpoints_shape_error(checkpoints, rows: str, B=None, row=None) -> ValueError:
+def _checkpoints_shape_error(checkpoints, rows: str, every: int, B=None, row=None) -> ValueError:
     """The error of a checkpoint buffer of the wrong shape: B, row (its [HV, K, V] or V-first tail)
     default to the buffer's own, where only its rows are short."""
     B = checkpoints.shape[0] if B is None else B
     row = tuple(checkpoints.shape[2:]) if row is None else row
     return ValueError(f"checkpoints must have shape [{B}, ≥ {rows}, {', '.join(map(str, row))}] (the state "
-                      f"after each {CHUNK}-token chunk), got {list(checkpoints.shape)}")
+                      f"after every {every} tokens and at each sequence's end), got {list(checkpoints.shape)}")
 
 
 def _check_state_dtype(name, x):

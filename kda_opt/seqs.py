@@ -51,13 +51,21 @@ def packed(cu_seqlens: torch.Tensor, T: int, kernels: Kernels | None = None) -> 
     plan's compiled kernels (kda_opt/launch), or None."""
     N = cu_seqlens.shape[0] - 1
     slots = -(-T // CHUNK) + N - 1
-    offsets = torch.empty(N + 1, dtype=torch.int32, device=cu_seqlens.device)
-    triton_launch(chunk_offsets_kernel, (1,), kernels, cu_seqlens=cu_seqlens, offsets=offsets, N=N, T=T, C=CHUNK,
-                  BLOCK=BLOCK)
+    offsets = block_offsets(cu_seqlens, T, CHUNK, kernels)
     indices = torch.empty(slots, 2, dtype=torch.int32, device=cu_seqlens.device)
     triton_launch(chunk_indices_kernel, (-(-slots // BLOCK),), kernels, offsets=offsets, indices=indices, N=N,
                   slots=slots, STEPS=N.bit_length(), BLOCK=BLOCK)
     return Seqs(chunk_slots=slots, cu_seqlens=cu_seqlens, chunk_indices=indices, chunk_offsets=offsets)
+
+
+def block_offsets(cu_seqlens: torch.Tensor, T: int, size: int, kernels: Kernels | None = None) -> torch.Tensor:
+    """[N + 1] int32 on the device: Σ_{m<n} cdiv(len_m, size) for n = 0 .. N, the first row of each
+    packed sequence in a table with a row per `size` tokens of each (chunks: size = CHUNK)."""
+    N = cu_seqlens.shape[0] - 1
+    offsets = torch.empty(N + 1, dtype=torch.int32, device=cu_seqlens.device)
+    triton_launch(chunk_offsets_kernel, (1,), kernels, cu_seqlens=cu_seqlens, offsets=offsets, N=N, T=T, size=size,
+                  BLOCK=BLOCK)
+    return offsets
 
 
 @triton.jit
@@ -71,15 +79,15 @@ def _bounds(cu_seqlens, n, T):
 
 
 @triton.jit
-def chunk_offsets_kernel(cu_seqlens, offsets, N, T, C: tl.constexpr, BLOCK: tl.constexpr):
-    # offsets[n] = Σ_{m<n} cdiv(len_m, C): one program, the scan carried across blocks of sequences.
+def chunk_offsets_kernel(cu_seqlens, offsets, N, T, size, BLOCK: tl.constexpr):
+    # offsets[n] = Σ_{m<n} cdiv(len_m, size): one program, the scan carried across blocks of sequences.
     tl.store(offsets, 0)
     carry = N * 0
     for n0 in range(0, N, BLOCK):
         o_n = n0 + tl.arange(0, BLOCK)
         m_n = o_n < N
         bos, eos = _bounds(cu_seqlens, tl.where(m_n, o_n, 0), T)
-        counts = tl.where(m_n, (eos - bos + C - 1) // C, 0).to(tl.int32)
+        counts = tl.where(m_n, (eos - bos + size - 1) // size, 0).to(tl.int32)
         tl.store(offsets + o_n + 1, carry + tl.cumsum(counts, axis=0), mask=m_n)
         carry += tl.sum(counts, axis=0)
 

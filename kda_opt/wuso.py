@@ -48,7 +48,7 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, SLOTS, MASK, CK,
                 K: ConstInt, BV: ConstInt, C: ConstInt, HAS_S0: ConstBool, STORE_SF: ConstBool,
                 SPLIT_V: ConstBool, PACKED: ConstBool, L2NORM: ConstBool, V_FIRST: ConstBool,
                 BETA_RESIDUAL: ConstBool, READ_SLOTS: ConstBool, WRITE_SLOTS: ConstBool, HAS_MASK: ConstBool,
-                STORE_CK: ConstBool):
+                STORE_CK: ConstBool, CK_EVERY: ConstInt):
     i_v, i_nh = ct.bid(0), ct.bid(1)
     H, HV = Q.shape[2], Vx.shape[2]
     i_n, i_hv = i_nh // HV, i_nh % HV                         # sequence, value head
@@ -97,77 +97,113 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, SLOTS, MASK, CK,
     if HAS_MASK:
         use_s0 = use_s0 & ct.load(MASK, index=(i_n,), shape=(1,)).item()
     state_order = (0, 1, 3, 2) if V_FIRST else (0, 1, 2, 3)
-    # Checkpoints (the state after each chunk; a row past the buffer's end is dropped) go where the
-    # compiler's schedule hides their store best (docs/DESIGN.md): the state entering chunk i_t (row
-    # i_t − 1) stored inside its iteration before the update, for an fp32 V-first buffer and K-first
-    # ones with the widest V block; else the state after chunk i_t at the end of its iteration
-    # (16-bit V-first buffers stored early took the kernel off its schedule: 255 registers).
+    # Checkpoints (the state after every CK_EVERY chunks and after the last; a row past the buffer's
+    # end is dropped, _checkpoint_row) go where the compiler's schedule hides their store best
+    # (docs/DESIGN.md): the state entering chunk i_t (row i_t − 1) stored inside its iteration before
+    # the update, for an fp32 V-first buffer and K-first ones with the widest V block; else the state
+    # after chunk i_t at the end of its iteration (16-bit V-first buffers stored early took the kernel
+    # off its schedule: 255 registers).
     ck_early = (V_FIRST and CK.dtype == F32) or (not V_FIRST and BV == BLOCK_V_CHOICES[-1])
+    # An fp32 V-first buffer every few chunks at V blocks wider than the narrowest: the loop runs in
+    # intervals of CK_EVERY chunks and stores the state after each. (In the one loop, the store of
+    # every iteration, dropped where no checkpoint falls, cost as much as a checkpoint per chunk, and
+    # a branch around it took the compiler off its schedule at the widest V block; at the narrowest
+    # the intervals cost more than the dropped stores, and with K-first or 16-bit buffers they spill:
+    # docs/DESIGN.md.)
+    intervals = STORE_CK and CK_EVERY > 1 and BV > BLOCK_V_CHOICES[0] and V_FIRST and CK.dtype == F32
+    ck_early, ck_late = STORE_CK and ck_early and not intervals, STORE_CK and not ck_early and not intervals
     # S0 joins S inside the first iteration, not before the loop: loaded there, its tile gave the
     # loop-carried S another layout, and the compiler then dropped the warp-specialised pipeline
     # (255 registers, spills; an initial state doubled this kernel's time). Here the kernel is the
     # one without a state (tests/test_wuso.py compares their resources).
     S = ct.zeros((K, BV), dtype=F32)
-    for i_t in range(ct.cdiv(T, C)):
-        if HAS_S0:
-            if i_t == 0:
-                S = S + _initial_state(S0, s_in, use_s0, i_hv, i_v, K, BV, V_FIRST, READ_SLOTS or HAS_MASK)
-        # Rows past T (tail chunk) load as zeros, so they add nothing; the O store drops them.
-        q = ct.load(Q, index=(i_b, i_t, i_h, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
-        k = ct.load(Kx, index=(i_b, i_t, i_h, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
-        g = ct.load(G, index=(i_b, i_t, i_hv, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
-        v = ct.load(Vx, index=(i_b, i_t, i_hv, i_v), shape=(1, C, 1, BV), padding_mode=ZERO).reshape((C, BV))
-        tm = ct.load(TM, index=(i_b, i_t, i_hv, 0), shape=(1, C, 1, C), padding_mode=ZERO).reshape((C, C))
-        aqk = ct.load(AQK, index=(i_b, i_t, i_hv, 0), shape=(1, C, 1, C), padding_mode=ZERO).reshape((C, C))
-        # Γ_last from its own row: a zero-padded tail row would read as Γ = 0.
-        last = min(i_t * C + C, T) - 1
-        g_last = ct.load(G, index=(i_b, last, i_hv, 0), shape=(1, 1, 1, K)).reshape((1, K))
-        kf = k.astype(F32)
-        qf = q.astype(F32)
-        if L2NORM:
-            # FLA's l2norm per row (use_qk_l2norm_in_kernel), with stage 2's norms: a row reduction
-            # here would sit on the chunk's dependency chain.
-            rq = ct.load(RSTD, index=(0, i_b, i_h, i_t), shape=(1, 1, 1, C), padding_mode=ZERO).reshape((C, 1))
-            rk = ct.load(RSTD, index=(1, i_b, i_h, i_t), shape=(1, 1, 1, C), padding_mode=ZERO).reshape((C, 1))
-            qf = qf * rq
-            kf = kf * rk
-        # ftz: gates drive 2^Γ into subnormals, which are worth nothing next to the state.
-        eg = ct.exp2(g, flush_to_zero=True)                                          # [C, K]
-        s_op = S.astype(dt)                                                          # [K, BV]
-        # V' = Tm (v − (2^Γ ⊙ k) S): W = Tm (2^Γ ⊙ k) and U are never formed, which saves their
-        # products and W's [C, K] operand in every V block, at the same error against float64 (a
-        # torch emulation of both orders, bf16 and fp32, agreed to two digits).
-        x = ct.mma((kf * -eg).astype(dt), s_op, v.astype(F32))                     # v − (2^Γ ⊙ k) S
-        if BETA_RESIDUAL:
-            r = ct.load(RB, index=(i_b, i_hv, i_t), shape=(1, 1, C), padding_mode=ZERO).reshape((C, 1))
-            v_f32 = ct.mma(tm.astype(dt), x.astype(dt), r * x)                      # V' [C, BV]
-        else:
-            v_f32 = ct.mma(tm.astype(dt), x.astype(dt), ct.zeros((C, BV), dtype=F32))
-        v_new = v_f32.astype(dt)
-        o = ct.mma((qf * eg * scale).astype(dt), s_op, ct.zeros((C, BV), dtype=F32))
-        if SPLIT_V:
-            # O takes V' as hi + lo (one more product, off the state's chain): V' rounded to
-            # bf16 then reaches O only through S.
-            o = ct.mma(aqk.astype(dt), (v_f32 - v_new.astype(F32)).astype(dt), o)
-        o = ct.mma(aqk.astype(dt), v_new, o)                                         # [C, BV]
-        ct.store(O, index=(i_b, i_t, i_hv, i_v), tile=o.astype(O.dtype).reshape((1, C, 1, BV)))
-        # (k ⊙ 2^(Γ_last − Γ))ᵀ from k and Γ transposed before the product: transposing the product
-        # makes the compiler redo its exp2 per fragment of the mma operand (4× the exp2, and spills).
-        # 2^(Γ_last − Γ) ≤ 1 on valid rows: never 2^Γ_last · 2^−Γ, which overflows.
-        g_last_t = ct.transpose(g_last)                                              # [K, 1]
-        k_dec_t = ct.transpose(kf) * ct.exp2(g_last_t - ct.transpose(g), flush_to_zero=True)  # [K, C]
-        if STORE_CK and ck_early:
-            _checkpoint(CK, S, ck_b, ct.where(i_t > 0, ck_row + i_t - 1, CK.shape[1]), i_hv, i_v, K, BV, V_FIRST)
-        S = ct.mma(k_dec_t.astype(dt), v_new, S * ct.exp2(g_last_t, flush_to_zero=True))     # [K, BV]
-        if STORE_CK and not ck_early:
-            _checkpoint(CK, S, ck_b, ck_row + i_t, i_hv, i_v, K, BV, V_FIRST)
-    if STORE_CK and ck_early:                                 # the last chunk's (none if T = 0)
-        _checkpoint(CK, S, ck_b, ct.where(T > 0, ck_row + ct.cdiv(T, C) - 1, CK.shape[1]), i_hv, i_v, K, BV, V_FIRST)
+    chunks = ct.cdiv(T, C)
+    if intervals:
+        for i_blk in range(ct.cdiv(chunks, CK_EVERY)):
+            for i_in in range(min(CK_EVERY, chunks - i_blk * CK_EVERY)):
+                i_t = i_blk * CK_EVERY + i_in
+                S = _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, i_h, i_hv, i_v, T, chunks, scale,
+                           s_in, use_s0, ck_b, ck_row, K, BV, C, HAS_S0, SPLIT_V, L2NORM, V_FIRST, BETA_RESIDUAL,
+                           READ_SLOTS or HAS_MASK, False, False, CK_EVERY)
+            _checkpoint(CK, S, ck_b, ck_row + i_blk, i_hv, i_v, K, BV, V_FIRST)
+    else:
+        for i_t in range(chunks):
+            S = _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, i_h, i_hv, i_v, T, chunks, scale, s_in,
+                       use_s0, ck_b, ck_row, K, BV, C, HAS_S0, SPLIT_V, L2NORM, V_FIRST, BETA_RESIDUAL,
+                       READ_SLOTS or HAS_MASK, ck_early, ck_late, CK_EVERY)
+    if ck_early:                                              # the last chunk's (none if T = 0)
+        _checkpoint(CK, S, ck_b, _checkpoint_row(chunks, chunks, ck_row, CK.shape[1], CK_EVERY), i_hv, i_v, K, BV,
+                    V_FIRST)
     if HAS_S0:
         if T == 0:                                            # an empty packed sequence keeps its state
             S = _initial_state(S0, s_in, use_s0, i_hv, i_v, K, BV, V_FIRST, READ_SLOTS or HAS_MASK)
     if STORE_SF:
         ct.store(SF, index=(s_out, i_hv, 0, i_v), tile=S.astype(SF.dtype).reshape((1, 1, K, BV)), order=state_order)
+
+
+@ct.function
+def _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, i_h, i_hv, i_v, T, chunks, scale, s_in, use_s0,
+           ck_b, ck_row, K: ConstInt, BV: ConstInt, C: ConstInt, HAS_S0: ConstBool, SPLIT_V: ConstBool,
+           L2NORM: ConstBool, V_FIRST: ConstBool, BETA_RESIDUAL: ConstBool, S0_CHECKED: ConstBool, CK_EARLY: ConstBool,
+           CK_LATE: ConstBool, CK_EVERY: ConstInt):
+    """Chunk i_t of one program (the kernel's loop body): S after it, o stored; with CK_EARLY the state
+    entering it, with CK_LATE the state after it, stored as a checkpoint where one falls."""
+    dt = Q.dtype
+    if HAS_S0:
+        if i_t == 0:
+            S = S + _initial_state(S0, s_in, use_s0, i_hv, i_v, K, BV, V_FIRST, S0_CHECKED)
+    # Rows past T (tail chunk) load as zeros, so they add nothing; the O store drops them.
+    q = ct.load(Q, index=(i_b, i_t, i_h, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
+    k = ct.load(Kx, index=(i_b, i_t, i_h, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
+    g = ct.load(G, index=(i_b, i_t, i_hv, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
+    v = ct.load(Vx, index=(i_b, i_t, i_hv, i_v), shape=(1, C, 1, BV), padding_mode=ZERO).reshape((C, BV))
+    tm = ct.load(TM, index=(i_b, i_t, i_hv, 0), shape=(1, C, 1, C), padding_mode=ZERO).reshape((C, C))
+    aqk = ct.load(AQK, index=(i_b, i_t, i_hv, 0), shape=(1, C, 1, C), padding_mode=ZERO).reshape((C, C))
+    # Γ_last from its own row: a zero-padded tail row would read as Γ = 0.
+    last = min(i_t * C + C, T) - 1
+    g_last = ct.load(G, index=(i_b, last, i_hv, 0), shape=(1, 1, 1, K)).reshape((1, K))
+    kf = k.astype(F32)
+    qf = q.astype(F32)
+    if L2NORM:
+        # FLA's l2norm per row (use_qk_l2norm_in_kernel), with stage 2's norms: a row reduction
+        # here would sit on the chunk's dependency chain.
+        rq = ct.load(RSTD, index=(0, i_b, i_h, i_t), shape=(1, 1, 1, C), padding_mode=ZERO).reshape((C, 1))
+        rk = ct.load(RSTD, index=(1, i_b, i_h, i_t), shape=(1, 1, 1, C), padding_mode=ZERO).reshape((C, 1))
+        qf = qf * rq
+        kf = kf * rk
+    # ftz: gates drive 2^Γ into subnormals, which are worth nothing next to the state.
+    eg = ct.exp2(g, flush_to_zero=True)                                          # [C, K]
+    s_op = S.astype(dt)                                                          # [K, BV]
+    # V' = Tm (v − (2^Γ ⊙ k) S): W = Tm (2^Γ ⊙ k) and U are never formed, which saves their
+    # products and W's [C, K] operand in every V block, at the same error against float64 (a
+    # torch emulation of both orders, bf16 and fp32, agreed to two digits).
+    x = ct.mma((kf * -eg).astype(dt), s_op, v.astype(F32))                     # v − (2^Γ ⊙ k) S
+    if BETA_RESIDUAL:
+        r = ct.load(RB, index=(i_b, i_hv, i_t), shape=(1, 1, C), padding_mode=ZERO).reshape((C, 1))
+        v_f32 = ct.mma(tm.astype(dt), x.astype(dt), r * x)                      # V' [C, BV]
+    else:
+        v_f32 = ct.mma(tm.astype(dt), x.astype(dt), ct.zeros((C, BV), dtype=F32))
+    v_new = v_f32.astype(dt)
+    o = ct.mma((qf * eg * scale).astype(dt), s_op, ct.zeros((C, BV), dtype=F32))
+    if SPLIT_V:
+        # O takes V' as hi + lo (one more product, off the state's chain): V' rounded to
+        # bf16 then reaches O only through S.
+        o = ct.mma(aqk.astype(dt), (v_f32 - v_new.astype(F32)).astype(dt), o)
+    o = ct.mma(aqk.astype(dt), v_new, o)                                         # [C, BV]
+    ct.store(O, index=(i_b, i_t, i_hv, i_v), tile=o.astype(O.dtype).reshape((1, C, 1, BV)))
+    # (k ⊙ 2^(Γ_last − Γ))ᵀ from k and Γ transposed before the product: transposing the product
+    # makes the compiler redo its exp2 per fragment of the mma operand (4× the exp2, and spills).
+    # 2^(Γ_last − Γ) ≤ 1 on valid rows: never 2^Γ_last · 2^−Γ, which overflows.
+    g_last_t = ct.transpose(g_last)                                              # [K, 1]
+    k_dec_t = ct.transpose(kf) * ct.exp2(g_last_t - ct.transpose(g), flush_to_zero=True)  # [K, C]
+    if CK_EARLY:
+        _checkpoint(CK, S, ck_b, _checkpoint_row(i_t, chunks, ck_row, CK.shape[1], CK_EVERY), i_hv, i_v, K, BV,
+                    V_FIRST)
+    S = ct.mma(k_dec_t.astype(dt), v_new, S * ct.exp2(g_last_t, flush_to_zero=True))     # [K, BV]
+    if CK_LATE:
+        _checkpoint(CK, S, ck_b, _checkpoint_row(i_t + 1, chunks, ck_row, CK.shape[1], CK_EVERY), i_hv, i_v, K,
+                    BV, V_FIRST)
+    return S
 
 
 @ct.function
@@ -179,6 +215,16 @@ def _initial_state(S0, row, use, i_hv, i_v, K: ConstInt, BV: ConstInt, V_FIRST: 
     if CHECKED:
         tile = ct.where(use, tile, 0.0)
     return tile
+
+
+@ct.function
+def _checkpoint_row(done, chunks, first, rows, EVERY: ConstInt):
+    """The checkpoint row of a sequence's state after `done` of its `chunks` chunks: first + cdiv(done,
+    EVERY) − 1 where done is a positive multiple of EVERY or the last chunk, else `rows` (past the
+    buffer: the store is dropped)."""
+    if EVERY == 1:
+        return ct.where(done > 0, first + done - 1, rows)
+    return ct.where((done > 0) & ((done % EVERY == 0) | (done == chunks)), first + ct.cdiv(done, EVERY) - 1, rows)
 
 
 @ct.function
@@ -224,7 +270,8 @@ def _kernel(worker_warps: int):
 
 def launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, final_state, cu_seqlens=None,
                   qk_rstd=None, state_v_first=False, beta_residual=None, slots=None, read_slots=False,
-                  write_slots=False, has_initial_state=None, checkpoints=None, checkpoint_rows=None):
+                  write_slots=False, has_initial_state=None, checkpoints=None, checkpoint_rows=None,
+                  checkpoint_every=1):
     """(grid, kernel arguments) of one launch: the one place both the launcher and the export test
     (tests/test_wuso.py, on meta tensors) take the kernel's specialisation from."""
     B, _, HV, V = v.shape
@@ -235,14 +282,15 @@ def launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, fina
             float(scale),
             q.shape[-1], block_v, CHUNK, initial_state is not None, final_state is not None,
             q.dtype == torch.bfloat16, cu_seqlens is not None, qk_rstd is not None, state_v_first,
-            beta_residual is not None, read_slots, write_slots, has_initial_state is not None, checkpoints is not None)
+            beta_residual is not None, read_slots, write_slots, has_initial_state is not None, checkpoints is not None,
+            checkpoint_every)
     return (V // block_v, num_sequences(B, cu_seqlens) * HV, 1), args
 
 
 def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=None, final_state=None,
          slots=None, read_slots: bool = False, write_slots: bool = False, has_initial_state=None, checkpoints=None,
-         checkpoint_rows=None, cu_seqlens=None, qk_rstd=None, state_v_first: bool = False, beta_residual=None,
-         out=None, worker_warps: int = WORKER_WARPS):
+         checkpoint_rows=None, checkpoint_every: int = 1, cu_seqlens=None, qk_rstd=None, state_v_first: bool = False,
+         beta_residual=None, out=None, worker_warps: int = WORKER_WARPS):
     """Stage 4 on the current stream: o [B, T, HV, V] (v's dtype), returned; the final states written
     into final_state. Inputs as in the module docstring, validated by kda_opt/plan (q, k, v may be
     views whose token rows are dense and evenly spaced); absent ones None; cu_seqlens [N + 1] packs
@@ -251,9 +299,11 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
     bf16 or fp16), or state pools [slots, HV, K, V] whose rows are dense (stride(0) may pad them),
     read (read_slots) or written (write_slots) at row slots[n] ([N] int32/int64) for sequence n;
     has_initial_state ([N] bool): sequence n starts from zeros where false. checkpoints: [B, NT, HV,
-    K, V] (V-first with state_v_first; fp32, bf16 or fp16), the state after each chunk: chunk j of
-    sequence n at [n, j], or packed (B = 1) at [0, checkpoint_rows[n] + j] (checkpoint_rows [N]
-    int32: Σ_{m<n} cdiv(len_m, 64), kda_opt/seqs); rows past NT are not written. block_v: V columns per
+    K, V] (V-first with state_v_first; fp32, bf16 or fp16), the state after every checkpoint_every
+    chunks and after the last: checkpoint j of sequence n (its state after min((j + 1)·E, its chunks)
+    chunks, E = checkpoint_every) at [n, j], or packed (B = 1) at [0, checkpoint_rows[n] + j]
+    (checkpoint_rows [N] int32: Σ_{m<n} cdiv(len_m, 64·E), kda_opt/seqs); rows past NT are not
+    written. block_v: V columns per
     program (block_v_for's choice, made by kda_opt/plan). qk_rstd: stage 2's [2, B, H, T] fp32 norms
     (l2norm). beta_residual: stage 2's r [B, HV, T] fp32 (module docstring). out: o's storage, a
     [B, T, HV, V] tensor of v's dtype whose rows are contiguous (a slice along T of a B = 1 tensor,
@@ -261,6 +311,6 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
     o = torch.empty_like(v) if out is None else out
     grid, args = launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, final_state, cu_seqlens,
                                qk_rstd, state_v_first, beta_residual, slots, read_slots, write_slots,
-                               has_initial_state, checkpoints, checkpoint_rows)
+                               has_initial_state, checkpoints, checkpoint_rows, checkpoint_every)
     ct.launch(current_stream(), grid, _kernel(worker_warps), args)
     return o

@@ -1,5 +1,7 @@
 """torch.ops.kda_opt.forward (kda_opt/op): its fake implementation's shapes under FakeTensorMode
 (CPU), and on the GPU kda_forward under torch.compile(fullgraph=True) against the eager call."""
+import inspect
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -10,12 +12,9 @@ from kda_opt import kda_forward
 from tests.conftest import cuda_build, gpu
 
 
-# kda_forward's defaults: the op takes every argument.
-DEFAULTS = dict(scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
-                use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, A_log=None,
-                dt_bias=None, safe_gate=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
-                chunk_size=64, transpose_state_layout=None, initial_state_indices=None, has_initial_state=None,
-                checkpoints=None)
+# kda_forward's defaults: the op takes every argument but the host copies.
+DEFAULTS = {n: p.default for n, p in inspect.signature(kda_forward).parameters.items()
+            if p.default is not inspect.Parameter.empty and not n.endswith("_cpu")}
 
 
 def op_call(**a):

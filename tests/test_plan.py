@@ -110,6 +110,22 @@ BAD_INPUTS = {
             cu_seqlens=torch.tensor([0, 3, 8]), cu_seqlens_cpu=torch.tensor([0, 3, 8]),
             checkpoints=torch.zeros(1, 1, 2, 64, 64))),
         "checkpoints int": (TypeError, "checkpoints", dict(checkpoints=torch.zeros(1, 1, 2, 64, 64, dtype=torch.int32))),
+        "checkpoint_every not a multiple of 64": (ValueError, "checkpoint_every must be a positive multiple of 64", dict(
+            checkpoints=torch.zeros(1, 1, 2, 64, 64), checkpoint_every=96)),
+        "checkpoint_every 0": (ValueError, "checkpoint_every", dict(checkpoints=torch.zeros(1, 1, 2, 64, 64),
+                                                                  checkpoint_every=0)),
+        "checkpoint_every a bool": (ValueError, "checkpoint_every", dict(checkpoints=torch.zeros(1, 1, 2, 64, 64),
+                                                                         checkpoint_every=True)),
+        "checkpoint_every without checkpoints": (ValueError, "needs checkpoints", dict(checkpoint_every=128)),
+        "checkpoints short of the intervals": (ValueError, r"checkpoints must have shape \[1, ≥ 2, .*every 128 tokens",
+                                               dict(q=torch.randn(1, 129, 2, 64), k=torch.randn(1, 129, 2, 64),
+                                                    v=torch.randn(1, 129, 2, 64), g=torch.randn(1, 129, 2, 64),
+                                                    beta=torch.rand(1, 129, 2), checkpoint_every=128,
+                                                    checkpoints=torch.zeros(1, 1, 2, 64, 64))),
+        "checkpoints short of the packed intervals": (ValueError, r"Σ cdiv\(len_n, 128\)", dict(
+            q=torch.randn(1, 200, 2, 64), k=torch.randn(1, 200, 2, 64), v=torch.randn(1, 200, 2, 64),
+            g=torch.randn(1, 200, 2, 64), beta=torch.rand(1, 200, 2), cu_seqlens=torch.tensor([0, 129, 200]),
+            cu_seqlens_cpu=torch.tensor([0, 129, 200]), checkpoint_every=128, checkpoints=torch.zeros(1, 2, 2, 64, 64))),
     }.items()},
     "q requires grad": (RuntimeError, "forward-only.*q require grad", dict(q=torch.randn(1, 8, 2, 64, requires_grad=True))),
     "A_log a parameter": (RuntimeError, "A_log require grad", dict(A_log=torch.nn.Parameter(torch.randn(2)))),
@@ -137,7 +153,10 @@ def test_bad_input_raises(case):
          initial_state_indices_cpu=torch.tensor([-1, 2]), has_initial_state=torch.tensor([False, True])),
     dict(cu_seqlens=torch.tensor([0, 3, 8]), cu_seqlens_cpu=torch.tensor([0, 3, 8]), checkpoints=torch.zeros(1, 2, 2, 64, 64)),
     dict(cu_seqlens=torch.tensor([0, 3, 8]), checkpoints=torch.zeros(1, 1, 2, 64, 64)),  # no host lengths: not checked
-], ids=["padded pool rows", "-1 and a mask", "packed checkpoints", "packed checkpoints unchecked"])
+    dict(cu_seqlens=torch.tensor([0, 3, 8]), cu_seqlens_cpu=torch.tensor([0, 3, 8]), checkpoints=torch.zeros(1, 2, 2, 64, 64),
+         checkpoint_every=512),
+], ids=["padded pool rows", "-1 and a mask", "packed checkpoints", "packed checkpoints unchecked",
+        "checkpoints every 512 tokens"])
 def test_serving_arguments_pass_validation(over):
     """Pools with padded rows, −1 slots (no state), a mask and checkpoint buffers are taken: the CPU
     tensors stop the call only at the device check."""
@@ -200,6 +219,7 @@ NEW_SIGNATURE = {
     "a flag": lambda a: dict(use_qk_l2norm_in_kernel=True),
     "an option's value": lambda a: dict(lower_bound=-4.0),
     "the scale": lambda a: dict(scale=0.5),
+    "the checkpoint spacing": lambda a: dict(checkpoint_every=128),
     "an input given": lambda a: dict(initial_state=torch.zeros(1, 2, 64, 64)),
     "a host copy given": lambda a: dict(cu_seqlens=torch.tensor([0, 8]), cu_seqlens_cpu=torch.tensor([0, 8])),
 }
@@ -278,6 +298,8 @@ def test_time_segments():
     assert cut(16383) == ((0, 16383),)                  # under two segments
     assert cut(65536, count=1) == ((0, 65536),)         # off
     assert cut(1000, tokens=128) == ((0, 192), (192, 384), (384, 576), (576, 768), (768, 960), (960, 1000))
+    # Checkpoints every 256 tokens: segments of whole intervals, so that each writes whole rows.
+    assert time_segments(1000, 1, 64, 132, False, 128, 8, align=256) == ((0, 256), (256, 512), (512, 768), (768, 1000))
     for T in range(16384, 200_000, 997):
         segs = cut(T, programs=32)
         assert 2 <= len(segs) <= 8 and segs[0][0] == 0 and segs[-1][1] == T

@@ -5,7 +5,7 @@ import torch
 import triton
 
 from kda_opt.options import CHUNK
-from kda_opt.seqs import BLOCK, packed
+from kda_opt.seqs import BLOCK, block_offsets, packed
 from tests.conftest import kernel_device
 
 
@@ -51,3 +51,12 @@ def test_chunk_table_of_a_broken_cu_seqlens_is_clamped():
     _, rows = table(torch.tensor(cu, dtype=torch.int32), T)
     used = host_table(clamped)
     assert rows[:len(used)] == used and all(r == (-1, 0) for r in rows[len(used):])
+
+
+@pytest.mark.parametrize("size", [CHUNK, 512])
+def test_block_offsets(size):
+    """Each packed sequence's first row in a table of a row per `size` tokens (checkpoints every
+    `size` tokens), across more sequences than one block of the scan."""
+    lens = [1, 63, 64, 65, 0, 511, 512, 513, 1500] * (BLOCK // 8)
+    offsets = block_offsets(torch.tensor([0, *lens]).cumsum(0).to(kernel_device()), sum(lens), size)
+    assert offsets.cpu().tolist() == [sum(triton.cdiv(n, size) for n in lens[:i]) for i in range(len(lens) + 1)]

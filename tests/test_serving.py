@@ -1,5 +1,5 @@
 """kda_forward as serving engines call it (docs/USAGE.md, "Serving"): a state pool read and written in
-place at initial_state_indices, has_initial_state, checkpoints after every chunk, and the in-place
+place at initial_state_indices, has_initial_state, checkpoints after every chunk or interval, and the in-place
 custom op under torch.compile and in CUDA graphs. GPU; validation is in tests/test_plan.py."""
 import pytest
 import torch
@@ -131,6 +131,53 @@ def test_checkpoints_of_a_batch(segment_tokens):
         cut = {n: x[:, :stop] if n in ("q", "k", "v", "g", "beta") else x for n, x in args.items()}
         assert torch.equal(ck[:, j], tuned(cut)[1]), j
     assert torch.equal(ck[:, -1], s)
+
+
+@gpu
+@pytest.mark.parametrize("call", list(CALLS))
+@pytest.mark.parametrize("ck_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_v", [64, 128])
+@pytest.mark.parametrize("every", [128, 512])
+def test_checkpoints_every_interval(call, ck_dtype, block_v, every):
+    """checkpoint_every = E tokens: row Σ_{m<n} cdiv(len_m, E) + j of a packed call holds sequence n's
+    state after min(E(j + 1), len_n) tokens, bit for bit the every-chunk buffer's row of that chunk
+    (the final state of a call that stops there: above); o, the final states and the rows past the
+    intervals are as without."""
+    lens = LENS + [600, 1000]
+    args = random_inputs(1, sum(lens), 2, 128, seqlens=lens, seed=11, initial_state=True, **CALLS[call])
+    chunks = [-(-n // 64) for n in lens]
+    intervals = [-(-n // every) for n in lens]
+    each = torch.zeros((1, sum(chunks), 2, 128, 128), device="cuda", dtype=ck_dtype)
+    spaced = torch.full((1, sum(intervals) + 2, 2, 128, 128), 7.0, device="cuda", dtype=ck_dtype)
+    tuning = Tuning(block_v=block_v)
+    o, s = tuned({**args, "checkpoints": each}, tuning)
+    o_sp, s_sp = tuned({**args, "checkpoints": spaced, "checkpoint_every": every}, tuning)
+    assert torch.equal(o_sp, o) and torch.equal(s_sp, s)
+    row = first = 0
+    for n in range(len(lens)):
+        for j in range(intervals[n]):
+            assert torch.equal(spaced[0, row], each[0, first + min(every // 64 * (j + 1), chunks[n]) - 1]), (n, j)
+            row += 1
+        first += chunks[n]
+    assert torch.equal(spaced[0, row:], torch.full_like(spaced[0, row:], 7.0))
+
+
+@gpu
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_checkpoints_every_interval_in_time_segments(state_v_first):
+    """A lone sequence cut into time segments writes the same rows of a spaced buffer as one pass
+    (kda_opt/plan cuts it at whole intervals), and the same numbers as the every-chunk buffer."""
+    args = random_inputs(1, 1000, 2, 128, seed=12, initial_state=True, state_v_first=state_v_first)
+    each = torch.zeros((1, 16, 2, 128, 128), device="cuda")
+    tuned({**args, "checkpoints": each})
+    for tokens in (128, Tuning.segment_tokens):
+        spaced = torch.full((1, 5, 2, 128, 128), 7.0, device="cuda")
+        call = {**args, "checkpoints": spaced, "checkpoint_every": 256}
+        plan = make_plan(**call, tuning=Tuning(block_v=64, segment_tokens=tokens))
+        assert len(plan.segments) == (4 if tokens == 128 else 1)
+        run(plan, **{n: call.get(n) for n in RUN_TENSORS})
+        assert torch.equal(spaced[0, :4], each[0, [3, 7, 11, 15]]), tokens
+        assert torch.equal(spaced[0, 4], torch.full_like(spaced[0, 4], 7.0))
 
 
 def op_arguments(**a):

@@ -45,14 +45,15 @@ def constraint(arg):
 
 
 def cubin(dtype, K, has_state, store_state, block_v=None, B=1, T=8192, H=96, seqs=None, l2norm=False,
-          state_v_first=False, state_dtype=torch.float32, beta_residual=False, pool=None, checkpoints=None):
+          state_v_first=False, state_dtype=torch.float32, beta_residual=False, pool=None, checkpoints=None,
+          checkpoint_every=1):
     """The launcher's specialisation (launch_config on meta tensors of the default shape),
     compiled for sm_90; block_v None takes the launcher's choice on an H100. seqs: (N, cu_seqlens
     dtype) packs N sequences into the one batch entry (B = 1). l2norm: with stage 2's norms
     [2, B, H, T]. state_dtype: the initial state's. beta_residual: with stage 2's β residual [B, H, T] fp32.
     pool: (slots, slot index dtype, has_initial_state given): both states one pool of state_dtype,
     rows padded, read and written at each sequence's slot. checkpoints: the dtype of a checkpoint
-    buffer [B, NT, H, K, V] (packed: with its rows' offsets)."""
+    buffer [B, NT, H, K, V] (packed: with its rows' offsets), written every checkpoint_every chunks."""
     meta = lambda *shape, dt=dtype: torch.empty(*shape, dtype=dt, device="meta")
     q, k, v, o = (meta(B, T, H, K) for _ in range(4))
     cu_seqlens = None if seqs is None else meta(seqs[0] + 1, dt=seqs[1])
@@ -75,7 +76,8 @@ def cubin(dtype, K, has_state, store_state, block_v=None, B=1, T=8192, H=96, seq
                             slots=slots, read_slots=pool is not None, write_slots=pool is not None,
                             has_initial_state=mask,
                             checkpoints=None if checkpoints is None else meta(B, T // 64 + N, H, K, K, dt=checkpoints),
-                            checkpoint_rows=None if checkpoints is None or seqs is None else meta(N, dt=torch.int32))
+                            checkpoint_rows=None if checkpoints is None or seqs is None else meta(N, dt=torch.int32),
+                            checkpoint_every=checkpoint_every)
     signature = KernelSignature([constraint(a) for a in args], CallingConvention.cutile_python_v2())
     buf = io.BytesIO()
     export_kernel(wuso_kernel, [signature], buf, gpu_code="sm_90", output_format="cubin")
@@ -164,14 +166,17 @@ def test_initial_state_costs_no_resources(call):
     dict(checkpoints=torch.float32), dict(checkpoints=torch.bfloat16), dict(checkpoints=torch.float32, block_v=64),
     dict(checkpoints=torch.float32, state_v_first=True), dict(checkpoints=torch.float32, state_v_first=True, block_v=32),
     dict(checkpoints=torch.bfloat16, state_v_first=True, seqs=(64, torch.int32), l2norm=True, beta_residual=True),
-    dict(checkpoints=torch.float16, pool=(100, torch.int64, True), state_v_first=True, block_v=64)])
+    dict(checkpoints=torch.float16, pool=(100, torch.int64, True), state_v_first=True, block_v=64),
+    dict(checkpoints=torch.float32, state_v_first=True, checkpoint_every=8),
+    dict(checkpoints=torch.bfloat16, seqs=(64, torch.int32), checkpoint_every=2)])
 def test_checkpoints_cost_no_resources(call):
-    """Storing the state after every chunk keeps the registers and stack frame of the kernel
+    """Storing the state after every chunk (or every few) keeps the registers and stack frame of the kernel
     without it, at either place kda_opt/wuso stores it (one transposed fp32 store in the loop took
     255 registers: an fp32 V-first state goes in quarters; a 16-bit V-first one stored before the
     state's update took 255 too, so it goes after)."""
     with_ck = resources(cubin(torch.bfloat16, 128, True, True, **call))
-    without = resources(cubin(torch.bfloat16, 128, True, True, **{k: v for k, v in call.items() if k != "checkpoints"}))
+    without = resources(cubin(torch.bfloat16, 128, True, True,
+                              **{k: v for k, v in call.items() if k not in ("checkpoints", "checkpoint_every")}))
     assert with_ck[0] <= without[0] and with_ck[1] <= without[1], (with_ck, without)
 
 
