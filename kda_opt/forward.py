@@ -17,6 +17,19 @@ Time segments (kda_opt/plan decides them): stages 1–3 of segment s + 1 run on 
 stage 4 runs segment s on the SMs it leaves idle, and each segment's final state (fp32, as stage 4
 keeps it) is the next one's initial state: the same numbers as one pass. The caller's stream waits
 for the second stream's work before each stage 4, so the result is ordered on it as usual.
+
+Parallel segments (kda_opt/plan decides them, where few heads and a long sequence leave the SMs
+idle): a segment's passage is affine in its start, S_out = M S_in + h, per value head, with h its
+final state from zero and M [K, K] the product of its chunks' transitions Diag(2^Γ_last) − (k ⊙
+2^(Γ_last − Γ))ᵀ Tm (2^Γ ⊙ k). Stages 1–3 run once over the whole sequence (their outputs are
+chunk-local), then stage 4 three times over the segments as packed sequences: (1) segments 0 .. S − 2,
+segment 0 from the call's initial state and the others from zero, giving h (and segment 0's o and
+checkpoints); (2) the transitions M of segments 1 .. S − 2 (stage 4 with v = 0 over K state columns
+from S_in = I, no o); then the merge, S_{j+1} = M_j S_j + h_j in float64 (S − 2 small products);
+(3) segments 1 .. S − 1 from their true starts, giving their o, checkpoints and the final state.
+Three passes over a sequence's tokens, each with every (segment, head) program at once, against one
+pass whose chain is the whole sequence. The result is that of one pass up to the rounding of M's
+16-bit product operands, within one pass's error against the float64 recurrence (tests/test_parallel.py).
 """
 import contextlib
 import functools
@@ -222,7 +235,9 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
         final = initial_state if plan.state_pool else _final_state(plan, v) if plan.output_final_state else None
         state = dict(initial_state=initial_state, final_state=final, slots=initial_state_indices,
                      read_slots=plan.state_pool, write_slots=plan.state_pool, has_initial_state=has_initial_state)
-        if len(plan.segments) == 1:
+        if plan.parallel:
+            o = _parallel(plan, q, k, v, g, beta, state, checkpoints, prepare, stage4)
+        elif len(plan.segments) == 1:
             gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, seqs)
             o = stage4(q, k, v, gcum, Tm, Aqk, **state, checkpoints=checkpoints,
                        checkpoint_rows=_checkpoint_rows(plan, checkpoints, seqs, kernels),
@@ -259,6 +274,65 @@ def _stages_1_to_3(plan: Plan, launch, kernels, q, k, g, beta, seqs=None, *, A_l
                      seqs=seqs, l2norm=plan.l2norm, beta_sigmoid=plan.beta_sigmoid, beta_residual=r, qk_rstd=rstd,
                      num_warps=plan.intra_warps, kernels=kernels)
     return gcum, Aqk, Tm, r, rstd
+
+
+def _parallel(plan: Plan, q, k, v, g, beta, state, checkpoints, prepare, stage4):
+    """o over plan.segments of one sequence (B = 1) run at once (module docstring, "Parallel
+    segments"); `state` holds stage 4's state arguments of the whole call. A pool slot is read by
+    segment 0 and written by the last; a dense final state is the last segment's row of its own
+    buffer, copied."""
+    S = len(plan.segments)
+    bounds, first_rows, units = _segment_tables(q.device, plan.segments, plan.checkpoint_every, plan.HV, plan.K)
+    gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta)
+    common = dict(qk_rstd=rstd, beta_residual=r)
+    o = torch.empty_like(v)
+    # Pass 1: segments 0 .. S − 2 from zero (segment 0 from the call's initial state: its slot, or
+    # row 0 of a dense state, where the others read none), and their transitions from I (1 .. S − 2).
+    pool, initial, mask = state["read_slots"], state["initial_state"], state["has_initial_state"]
+    slots = None
+    if initial is not None:
+        slots = torch.cat((state["slots"].to(torch.int32) if pool else first_rows[:1] * 0, first_rows[1:S - 1] * 0 - 1))
+        if mask is not None:
+            mask = torch.cat((mask, mask.new_zeros(S - 2)))
+    h = v.new_empty((S - 1, *_state_row(plan)), dtype=torch.float32)
+    stage4(q, k, v, gcum, Tm, Aqk, initial_state=initial, slots=slots, read_slots=initial is not None,
+           has_initial_state=mask, final_state=h, cu_seqlens=bounds[:S], out=o, checkpoints=checkpoints,
+           checkpoint_rows=None if checkpoints is None else first_rows, **common)
+    M = v.new_empty((S - 2, plan.HV, plan.K, plan.K), dtype=torch.float32)
+    stage4(q, k, v, gcum, Tm, Aqk, initial_state=units, slots=first_rows[1:S - 1] * 0, read_slots=True,
+           final_state=M, cu_seqlens=bounds[1:S], transition=True, state_v_first=False, **common)
+    # The merge: segment j + 1 starts from M_j S_j + h_j (float64: S − 2 steps of [K, K] × [K, V]).
+    starts = [h[0]]
+    for j in range(1, S - 1):
+        prev = starts[-1].double()
+        step = M[j - 1].double() @ (prev.transpose(-1, -2) if plan.state_v_first else prev)
+        starts.append((step.transpose(-1, -2) if plan.state_v_first else step) + h[j])
+    starts = torch.stack([x.float() for x in starts])
+    # Pass 2: segments 1 .. S − 1 from their true starts; the last writes the call's final state.
+    final, pool = state["final_state"], state["write_slots"]
+    ends = None if final is None or pool else torch.empty_like(starts)
+    stage4(q, k, v, gcum, Tm, Aqk, initial_state=starts, final_state=final if pool else ends, write_slots=pool,
+           slots=torch.cat((first_rows[2:S] * 0 - 1, state["slots"].to(torch.int32))) if pool else None,
+           cu_seqlens=bounds[1:], out=o, checkpoints=checkpoints,
+           checkpoint_rows=None if checkpoints is None else first_rows[1:], **common)
+    if ends is not None:
+        final.copy_(ends[-1:])
+    return o
+
+
+def _state_row(plan: Plan) -> tuple[int, int, int]:
+    """One sequence's state shape without N: [HV, K, V], or [HV, V, K] V-first."""
+    return state_shape(1, plan.HV, plan.K, plan.V, plan.state_v_first)[1:]
+
+
+@functools.lru_cache(maxsize=64)
+def _segment_tables(device: torch.device, segments, checkpoint_every: int, HV: int, K: int):
+    """Parallel segments' device tables: their bounds [S + 1] int32 (as cu_seqlens), each one's first
+    checkpoint row [S] int32 (which, times zero, gives slot rows), and I [1, HV, K, K] fp32."""
+    bounds = torch.tensor([t0 for t0, _ in segments] + [segments[-1][1]], dtype=torch.int32, device=device)
+    first_rows = torch.tensor([t0 // checkpoint_every for t0, _ in segments], dtype=torch.int32, device=device)
+    units = torch.eye(K, device=device).expand(1, HV, K, K).contiguous()
+    return bounds, first_rows, units
 
 
 @functools.cache

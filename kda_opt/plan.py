@@ -4,7 +4,7 @@ decision, into one frozen value that kda_opt/forward runs; each stage takes the 
     plan = make_plan(q, k, v, g, beta, ...)    TypeError / ValueError / RuntimeError naming the
                                                argument, before any kernel runs
     what the options mean                      gate, scale, l2norm, beta_sigmoid, beta_residual, ...
-    how the stages launch                      block_v, segments, intra_warps, worker_warps
+    how the stages launch                      block_v, segments, parallel, intra_warps, worker_warps
 Tuning holds the launch knobs; kda_forward takes its defaults, tests and scripts/bench_stages.py pass
 others. kda_forward makes a call signature's plan once (plan_for): the signature holds everything the
 checks and the plan read (every tensor's shape, strides, dtype, device, requires_grad and 16-byte
@@ -17,7 +17,13 @@ Time segments. Stage 4 runs one program per (sequence, value head, V block) thro
 sequence, so where B·H is small most SMs idle through it ((1, 65536, 16): 64 programs on 132 SMs).
 There a lone sequence is cut at chunk boundaries into segments (time_segments) that kda_opt/forward
 overlaps: stages 1–3 of segment s + 1 beside stage 4 of segment s.
+
+Parallel segments. Where a lone sequence is long and its heads few, its segments run at once
+instead (kda_opt/forward, "Parallel segments": three stage-4 passes over the segments and a merge of
+their transitions): one wave of (segment, value head) programs at the widest V block that fits
+(parallel_segments), where that measured faster than the time segments (_parallel_pays).
 """
+import math
 import operator
 import warnings
 from dataclasses import dataclass
@@ -42,6 +48,9 @@ class Tuning:
     block_v: int | None = None    # stage 4's V block; None: block_v_for's choice
     intra_warps: int | None = None  # stages 2+3's warps; None: kda_opt/intra.warps_for's choice
     worker_warps: int = WORKER_WARPS  # stage 4's worker warps
+    parallel: bool | None = None  # a lone sequence's segments at once (parallel_segments); None: where it
+                                  # pays, True: wherever it applies, False: never
+    parallel_tokens: int = 2048   # parallel segments: at least this many tokens each
 
 
 @dataclass(frozen=True)
@@ -69,7 +78,8 @@ class Plan:
                                   # not readable through their strides, _rows_readable)
     checkpoint_every: int         # tokens between checkpoints (a multiple of CHUNK)
     block_v: int                  # stage 4's V columns per program
-    segments: tuple[tuple[int, int], ...]  # token ranges run one after another (time segments)
+    segments: tuple[tuple[int, int], ...]  # token ranges: time segments, or parallel segments
+    parallel: bool                # the segments run at once (parallel_segments), not one after another
     intra_warps: int
     worker_warps: int
 
@@ -103,7 +113,12 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    block_v = tuning.block_v or block_v_for(N * HV, V, sms, q.dtype)
+    align = checkpoint_every if checkpoints is not None else CHUNK
+    parallel = parallel_segments(T, N, HV, sms, cu_seqlens is not None, tuning.parallel_tokens, align)
+    if tuning.parallel is False or tuning.parallel is None and not _parallel_pays(T, HV, V):
+        parallel = None
+    block_v = tuning.block_v or block_v_for((len(parallel) - 1 if parallel else N) * HV, math.gcd(V, K) if parallel
+                                            else V, sms, q.dtype)
     return Plan(
         B=B, T=T, H=H, K=K, HV=HV, V=V, N=N, dtype=q.dtype,
         scale=K ** -0.5 if scale is None else float(scale),
@@ -118,8 +133,9 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         copied=tuple(n for n, x in (("q", q), ("k", k), ("v", v), ("beta", beta)) if not _rows_readable(x)),
         block_v=block_v,
         checkpoint_every=checkpoint_every,
-        segments=time_segments(T, N, N * HV * (V // block_v), sms, cu_seqlens is not None, tuning.segment_tokens,
-                               tuning.max_segments, checkpoint_every if checkpoints is not None else CHUNK),
+        segments=parallel or time_segments(T, N, N * HV * (V // block_v), sms, cu_seqlens is not None,
+                                           tuning.segment_tokens, tuning.max_segments, align),
+        parallel=parallel is not None,
         intra_warps=tuning.intra_warps or warps_for(q.dtype), worker_warps=tuning.worker_warps,
     )
 
@@ -208,6 +224,27 @@ def check_host_copies(T, cu_seqlens_cpu, initial_state_indices_cpu, initial_stat
         if len(set(used)) != len(used):
             raise ValueError("initial_state_indices_cpu names a slot twice: two sequences would write one "
                              "pool row")
+
+
+def parallel_segments(T: int, N: int, HV: int, sms: int, is_packed: bool, min_tokens: int,
+                      align: int = CHUNK) -> tuple[tuple[int, int], ...] | None:
+    """((t0, t1), ...): a lone sequence cut into segments that run at once (module docstring,
+    "Parallel segments"), one wave of (segment, value head) programs, each segment at least
+    min_tokens and a multiple of `align` tokens but the last; None where there would be fewer than
+    three (several or packed sequences, or a short one)."""
+    count = min(sms // HV, T // min_tokens) if N == 1 and not is_packed else 0
+    if count < 3:
+        return None
+    step = -(-T // (count * align)) * align
+    segments = tuple((t0, min(t0 + step, T)) for t0 in range(0, T, step))
+    return segments if len(segments) >= 3 else None
+
+
+def _parallel_pays(T: int, HV: int, V: int) -> bool:
+    """Where parallel segments beat the time segments: measured at T = 65536 with HV·V = 16·128 (1.03–
+    1.24×), 8·128 and 4·128 at 128K and 256K tokens (1.8–3.6×); slower at (1, 32768, 32) (0.86–0.97×;
+    docs/DESIGN.md, "Parallel segments")."""
+    return HV * V <= 16 * 128 and T >= 65536
 
 
 def time_segments(T: int, N: int, programs: int, sms: int, is_packed: bool, segment_tokens: int,

@@ -48,7 +48,7 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, SLOTS, MASK, CK,
                 K: ConstInt, BV: ConstInt, C: ConstInt, HAS_S0: ConstBool, STORE_SF: ConstBool,
                 SPLIT_V: ConstBool, PACKED: ConstBool, L2NORM: ConstBool, V_FIRST: ConstBool,
                 BETA_RESIDUAL: ConstBool, READ_SLOTS: ConstBool, WRITE_SLOTS: ConstBool, HAS_MASK: ConstBool,
-                STORE_CK: ConstBool, CK_EVERY: ConstInt):
+                STORE_CK: ConstBool, CK_EVERY: ConstInt, TRANSITION: ConstBool):
     i_v, i_nh = ct.bid(0), ct.bid(1)
     H, HV = Q.shape[2], Vx.shape[2]
     i_n, i_hv = i_nh // HV, i_nh % HV                         # sequence, value head
@@ -124,13 +124,13 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, SLOTS, MASK, CK,
                 i_t = i_blk * CK_EVERY + i_in
                 S = _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, i_h, i_hv, i_v, T, chunks, scale,
                            s_in, use_s0, ck_b, ck_row, K, BV, C, HAS_S0, SPLIT_V, L2NORM, V_FIRST, BETA_RESIDUAL,
-                           READ_SLOTS or HAS_MASK, False, False, CK_EVERY)
+                           READ_SLOTS or HAS_MASK, False, False, CK_EVERY, TRANSITION)
             _checkpoint(CK, S, ck_b, ck_row + i_blk, i_hv, i_v, K, BV, V_FIRST)
     else:
         for i_t in range(chunks):
             S = _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, i_h, i_hv, i_v, T, chunks, scale, s_in,
                        use_s0, ck_b, ck_row, K, BV, C, HAS_S0, SPLIT_V, L2NORM, V_FIRST, BETA_RESIDUAL,
-                       READ_SLOTS or HAS_MASK, ck_early, ck_late, CK_EVERY)
+                       READ_SLOTS or HAS_MASK, ck_early, ck_late, CK_EVERY, TRANSITION)
     if ck_early:                                              # the last chunk's (none if T = 0)
         _checkpoint(CK, S, ck_b, _checkpoint_row(chunks, chunks, ck_row, CK.shape[1], CK_EVERY), i_hv, i_v, K, BV,
                     V_FIRST)
@@ -145,9 +145,10 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, SLOTS, MASK, CK,
 def _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, i_h, i_hv, i_v, T, chunks, scale, s_in, use_s0,
            ck_b, ck_row, K: ConstInt, BV: ConstInt, C: ConstInt, HAS_S0: ConstBool, SPLIT_V: ConstBool,
            L2NORM: ConstBool, V_FIRST: ConstBool, BETA_RESIDUAL: ConstBool, S0_CHECKED: ConstBool, CK_EARLY: ConstBool,
-           CK_LATE: ConstBool, CK_EVERY: ConstInt):
+           CK_LATE: ConstBool, CK_EVERY: ConstInt, TRANSITION: ConstBool):
     """Chunk i_t of one program (the kernel's loop body): S after it, o stored; with CK_EARLY the state
-    entering it, with CK_LATE the state after it, stored as a checkpoint where one falls."""
+    entering it, with CK_LATE the state after it, stored as a checkpoint where one falls. TRANSITION:
+    v taken as zero and no o (the columns of S are the transition's, module docstring)."""
     dt = Q.dtype
     if HAS_S0:
         if i_t == 0:
@@ -156,7 +157,10 @@ def _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, i_h, i_hv, i
     q = ct.load(Q, index=(i_b, i_t, i_h, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
     k = ct.load(Kx, index=(i_b, i_t, i_h, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
     g = ct.load(G, index=(i_b, i_t, i_hv, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
-    v = ct.load(Vx, index=(i_b, i_t, i_hv, i_v), shape=(1, C, 1, BV), padding_mode=ZERO).reshape((C, BV))
+    if TRANSITION:
+        v = ct.zeros((C, BV), dtype=F32)
+    else:
+        v = ct.load(Vx, index=(i_b, i_t, i_hv, i_v), shape=(1, C, 1, BV), padding_mode=ZERO).reshape((C, BV))
     tm = ct.load(TM, index=(i_b, i_t, i_hv, 0), shape=(1, C, 1, C), padding_mode=ZERO).reshape((C, C))
     aqk = ct.load(AQK, index=(i_b, i_t, i_hv, 0), shape=(1, C, 1, C), padding_mode=ZERO).reshape((C, C))
     # Γ_last from its own row: a zero-padded tail row would read as Γ = 0.
@@ -190,7 +194,8 @@ def _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, i_h, i_hv, i
         # bf16 then reaches O only through S.
         o = ct.mma(aqk.astype(dt), (v_f32 - v_new.astype(F32)).astype(dt), o)
     o = ct.mma(aqk.astype(dt), v_new, o)                                         # [C, BV]
-    ct.store(O, index=(i_b, i_t, i_hv, i_v), tile=o.astype(O.dtype).reshape((1, C, 1, BV)))
+    if not TRANSITION:
+        ct.store(O, index=(i_b, i_t, i_hv, i_v), tile=o.astype(O.dtype).reshape((1, C, 1, BV)))
     # (k ⊙ 2^(Γ_last − Γ))ᵀ from k and Γ transposed before the product: transposing the product
     # makes the compiler redo its exp2 per fragment of the mma operand (4× the exp2, and spills).
     # 2^(Γ_last − Γ) ≤ 1 on valid rows: never 2^Γ_last · 2^−Γ, which overflows.
@@ -271,7 +276,7 @@ def _kernel(worker_warps: int):
 def launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, final_state, cu_seqlens=None,
                   qk_rstd=None, state_v_first=False, beta_residual=None, slots=None, read_slots=False,
                   write_slots=False, has_initial_state=None, checkpoints=None, checkpoint_rows=None,
-                  checkpoint_every=1):
+                  checkpoint_every=1, transition=False):
     """(grid, kernel arguments) of one launch: the one place both the launcher and the export test
     (tests/test_wuso.py, on meta tensors) take the kernel's specialisation from."""
     B, _, HV, V = v.shape
@@ -283,14 +288,15 @@ def launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, fina
             q.shape[-1], block_v, CHUNK, initial_state is not None, final_state is not None,
             q.dtype == torch.bfloat16, cu_seqlens is not None, qk_rstd is not None, state_v_first,
             beta_residual is not None, read_slots, write_slots, has_initial_state is not None, checkpoints is not None,
-            checkpoint_every)
-    return (V // block_v, num_sequences(B, cu_seqlens) * HV, 1), args
+            checkpoint_every, transition)
+    columns = q.shape[-1] if transition else V                # the transition's state is [K, K]
+    return (columns // block_v, num_sequences(B, cu_seqlens) * HV, 1), args
 
 
 def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=None, final_state=None,
          slots=None, read_slots: bool = False, write_slots: bool = False, has_initial_state=None, checkpoints=None,
          checkpoint_rows=None, checkpoint_every: int = 1, cu_seqlens=None, qk_rstd=None, state_v_first: bool = False,
-         beta_residual=None, out=None, worker_warps: int = WORKER_WARPS):
+         beta_residual=None, transition: bool = False, out=None, worker_warps: int = WORKER_WARPS):
     """Stage 4 on the current stream: o [B, T, HV, V] (v's dtype), returned; the final states written
     into final_state. Inputs as in the module docstring, validated by kda_opt/plan (q, k, v may be
     views whose token rows are dense and evenly spaced); absent ones None; cu_seqlens [N + 1] packs
@@ -305,12 +311,15 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
     (checkpoint_rows [N] int32: Σ_{m<n} cdiv(len_m, 64·E), kda_opt/seqs); rows past NT are not
     written. block_v: V columns per
     program (block_v_for's choice, made by kda_opt/plan). qk_rstd: stage 2's [2, B, H, T] fp32 norms
-    (l2norm). beta_residual: stage 2's r [B, HV, T] fp32 (module docstring). out: o's storage, a
+    (l2norm). beta_residual: stage 2's r [B, HV, T] fp32 (module docstring). transition: v taken as
+    zero over K state columns, no o (returns None): from initial states I [N, HV, K, K] the final
+    states are each sequence's transition M, S_out = M S_in + (its final state from zero), which
+    kda_opt/forward's parallel segments merge. out: o's storage, a
     [B, T, HV, V] tensor of v's dtype whose rows are contiguous (a slice along T of a B = 1 tensor,
     kda_opt/forward's time segments), or None for a new one. worker_warps: the kernel's worker warps."""
-    o = torch.empty_like(v) if out is None else out
+    o = v if transition else torch.empty_like(v) if out is None else out      # (transition: never written)
     grid, args = launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, final_state, cu_seqlens,
                                qk_rstd, state_v_first, beta_residual, slots, read_slots, write_slots,
-                               has_initial_state, checkpoints, checkpoint_rows, checkpoint_every)
+                               has_initial_state, checkpoints, checkpoint_rows, checkpoint_every, transition)
     ct.launch(current_stream(), grid, _kernel(worker_warps), args)
-    return o
+    return None if transition else o

@@ -9,7 +9,7 @@ import torch
 from kda_bench.inputs import PER_TOKEN, random_inputs
 from kda_opt import kda_forward
 from kda_opt.intra import FP32_WARPS, NUM_WARPS
-from kda_opt.plan import Tuning, make_plan, time_segments
+from kda_opt.plan import Tuning, make_plan, parallel_segments, time_segments
 from tests.conftest import gpu
 
 
@@ -306,6 +306,22 @@ def test_time_segments():
         assert all(a1 == b0 and b0 % 64 == 0 and b0 - a0 >= 64 for (a0, b0), (a1, _) in zip(segs, segs[1:]))
 
 
+def test_parallel_segments():
+    """Where a lone sequence's segments run at once (kda_opt/plan), and how: one wave of (segment,
+    value head) programs, at least three segments of whole chunks (or checkpoint intervals)."""
+    assert parallel_segments(65536, 1, 16, 132, False, 2048) == tuple((t, t + 8192) for t in range(0, 65536, 8192))
+    assert parallel_segments(1000, 1, 2, 132, False, 128) == tuple((t, min(t + 192, 1000)) for t in range(0, 1000, 192))
+    assert parallel_segments(1000, 1, 2, 132, False, 128, align=256) == ((0, 256), (256, 512), (512, 768), (768, 1000))
+    assert parallel_segments(65536, 2, 16, 132, False, 2048) is None     # several sequences
+    assert parallel_segments(65536, 1, 16, 132, True, 2048) is None      # packed
+    assert parallel_segments(65536, 1, 48, 132, False, 2048) is None     # two segments fill the SMs
+    assert parallel_segments(5000, 1, 4, 132, False, 2048) is None       # under three segments
+    for T in range(6144, 300_000, 7919):
+        segs = parallel_segments(T, 1, 4, 132, False, 2048)
+        assert 3 <= len(segs) <= 33 and segs[0][0] == 0 and segs[-1][1] == T
+        assert all(a1 == b0 and b0 % 64 == 0 for (a0, b0), (a1, _) in zip(segs, segs[1:]))
+
+
 # ---- GPU: what the plan resolves ----
 
 @gpu
@@ -345,12 +361,17 @@ def test_plan_beta_residual_where_beta_is_not_a_number_of_k_dtype(beta_dtype, k_
 
 @gpu
 def test_plan_time_segments_and_block_v():
-    """A long lone sequence with few heads is cut into segments and takes stage 4's narrowest V
-    block; packed sequences never are; the tuning knobs are taken as given."""
+    """A long lone sequence with few heads is cut into time segments and takes stage 4's narrowest V
+    block, or into parallel segments at the widest; packed sequences never are; the tuning knobs
+    are taken as given."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = make_plan(**random_inputs(1, 65536, 16, 128, initial_state=True))
+    args = random_inputs(1, 65536, 16, 128, initial_state=True)
+    plan = make_plan(**args, tuning=Tuning(parallel=False))
     assert plan.block_v == 32 and plan.segments == time_segments(65536, 1, 16 * 4, sms, False, 8192, 8)
-    assert len(plan.segments) == 8
+    assert len(plan.segments) == 8 and not plan.parallel
+    # By default its segments run at once there (parallel segments: one wave at the widest block).
+    plan = make_plan(**args)
+    assert plan.parallel and plan.block_v == 128 and plan.segments == parallel_segments(65536, 1, 16, sms, False, 2048)
     packed = make_plan(**random_inputs(1, 65536, 16, 128, seqlens=[30000, 35536]))
     assert packed.packed and packed.N == 2 and packed.segments == ((0, 65536),)
     tuned = make_plan(**random_inputs(1, 1000, 2, 128), tuning=Tuning(segment_tokens=128, block_v=64,

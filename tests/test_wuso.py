@@ -46,7 +46,7 @@ def constraint(arg):
 
 def cubin(dtype, K, has_state, store_state, block_v=None, B=1, T=8192, H=96, seqs=None, l2norm=False,
           state_v_first=False, state_dtype=torch.float32, beta_residual=False, pool=None, checkpoints=None,
-          checkpoint_every=1):
+          checkpoint_every=1, transition=False):
     """The launcher's specialisation (launch_config on meta tensors of the default shape),
     compiled for sm_90; block_v None takes the launcher's choice on an H100. seqs: (N, cu_seqlens
     dtype) packs N sequences into the one batch entry (B = 1). l2norm: with stage 2's norms
@@ -77,7 +77,7 @@ def cubin(dtype, K, has_state, store_state, block_v=None, B=1, T=8192, H=96, seq
                             has_initial_state=mask,
                             checkpoints=None if checkpoints is None else meta(B, T // 64 + N, H, K, K, dt=checkpoints),
                             checkpoint_rows=None if checkpoints is None or seqs is None else meta(N, dt=torch.int32),
-                            checkpoint_every=checkpoint_every)
+                            checkpoint_every=checkpoint_every, transition=transition)
     signature = KernelSignature([constraint(a) for a in args], CallingConvention.cutile_python_v2())
     buf = io.BytesIO()
     export_kernel(wuso_kernel, [signature], buf, gpu_code="sm_90", output_format="cubin")

@@ -1,0 +1,73 @@
+"""Parallel segments on one GPU (kda_opt/forward, "Parallel segments"): a lone sequence cut into
+segments that run at once, their starts merged from each one's transition, against one pass and the
+float64 recurrence; with a state pool, has_initial_state and checkpoints. GPU; the choice of
+segments is in tests/test_plan.py."""
+import pytest
+import torch
+
+from kda_bench.inputs import random_inputs
+from kda_opt import kda_forward
+from kda_opt.plan import Tuning, make_plan
+from kda_opt.reference import ERROR_FLOOR, reference_forward
+from tests.conftest import gpu, rel_err
+from tests.test_forward import run_tuned
+
+PARALLEL = Tuning(parallel=True, parallel_tokens=128)
+
+
+def slow(args, seed=0):
+    """args with a log-decay in (−0.01, 0] per token (preactivated gate): a state then lives through
+    every segment, so that a wrong start or transition shows in o and the final state (at the
+    benchmark's decays it is gone within a segment)."""
+    g = -0.01 * torch.rand(args["g"].shape, generator=torch.Generator().manual_seed(seed))
+    out = {n: x for n, x in args.items() if n not in ("A_log", "dt_bias", "lower_bound", "safe_gate",
+                                                       "use_gate_in_kernel")}
+    return {**out, "g": g.to(args["g"].device, args["g"].dtype)}
+CALLS = {
+    "default": dict(),
+    "a state": dict(initial_state=True),
+    "flashkda": dict(l2norm=True, beta_logits=True, state_v_first=True, initial_state=True),
+    "K ≠ V, GVA, V-first": dict(V=64, HV=4, initial_state=True, state_v_first=True),
+    "fp16": dict(dtype=torch.float16, initial_state=True),
+}
+
+
+@gpu
+@pytest.mark.parametrize("call", list(CALLS))
+def test_parallel_segments_equal_one_pass(call):
+    """Six segments of 192 tokens (a tail in the last): o and the final state within the error of
+    one pass against the float64 recurrence, and close to one pass's numbers."""
+    args = slow(random_inputs(1, 1000, 2, 128, seed=51, **CALLS[call]))
+    plan = make_plan(**args, tuning=PARALLEL)
+    assert plan.parallel and plan.segments == tuple((t, min(t + 192, 1000)) for t in range(0, 1000, 192))
+    o, s = kda_forward(**args)
+    o_par, s_par = run_tuned(args, PARALLEL)
+    ref_o, ref_s = reference_forward(**args, method="chunked")
+    assert rel_err(o_par, ref_o) <= ERROR_FLOOR and rel_err(s_par, ref_s) <= ERROR_FLOOR
+    assert rel_err(o_par, o) <= ERROR_FLOOR and rel_err(s_par, s) <= ERROR_FLOOR
+
+
+@gpu
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_parallel_segments_with_a_pool_and_checkpoints(state_v_first):
+    """The serving call on a lone long request: its pool slot read (or zeros where has_initial_state
+    is false) and written, checkpoints every 128 tokens, as one pass writes them."""
+    args = slow(random_inputs(1, 1000, 2, 128, seed=52, initial_state=True, state_v_first=state_v_first,
+                              output_final_state=False))
+    start = torch.randn(3, *args["initial_state"].shape[1:], device="cuda")
+    start[1] = args["initial_state"][0]
+    for has in (True, False):
+        pools, cks = [], []
+        for tuning in (Tuning(), PARALLEL):
+            pool = start.clone()
+            ck = torch.full((1, 8, *pool.shape[1:]), 7.0, device="cuda")
+            call = {**args, "initial_state": pool, "initial_state_indices": torch.tensor([1], device="cuda"),
+                    "has_initial_state": torch.tensor([has], device="cuda"), "checkpoints": ck,
+                    "checkpoint_every": 128}
+            assert make_plan(**call, tuning=tuning).parallel == bool(tuning.parallel)
+            run_tuned(call, tuning)
+            pools.append(pool)
+            cks.append(ck)
+        assert torch.equal(pools[0][[0, 2]], pools[1][[0, 2]])          # other rows untouched
+        assert rel_err(pools[1][1], pools[0][1]) <= ERROR_FLOOR
+        assert rel_err(cks[1], cks[0]) <= ERROR_FLOOR
