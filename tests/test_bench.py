@@ -127,7 +127,7 @@ def test_plot_before_any_h32_row(tmp_path, recwarn):
     assert not [w for w in recwarn if "legend" in str(w.message)]
 
 
-@pytest.mark.parametrize("test", ["naive", "fla", "benchmark", "all", "host"])
+@pytest.mark.parametrize("test", ["naive", "fla", "benchmark", "all", "host", "cp"])
 def test_refuses_without_gpu(monkeypatch, capsys, test):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench.main(["--test", test]) == 2
@@ -323,3 +323,29 @@ def test_host_rows_make_the_calls_they_name(monkeypatch):
         assert ("checkpoints" in a) == ("checkpoints" in name), name
         assert set(runs) == ({"kda_opt"} if "pool" in extra else
                              {"kda_opt", "fla"} | ({"flashkda"} if case.config == "flashkda" else set())), name
+
+
+def test_cp_rows_make_the_calls_they_name(monkeypatch):
+    """--test cp (kda_bench/cp): kda_forward as users call it and the sequential path on one set of
+    inputs (the plan made without parallel segments), FLA on the same; FlashKDA where it runs."""
+    from kda_bench import cp
+    import kda_opt.plan as plan_module
+    monkeypatch.setattr(plan_module, "make_plan", lambda **a: a["tuning"])
+    monkeypatch.setattr(cp.peers, "flashkda", lambda args: ((lambda: "fkda"), None) if args.get("state_v_first")
+                        else (None, "no"))
+    import kda_opt.forward as forward
+    made = []
+    monkeypatch.setattr(forward, "run", lambda plan, **t: made.append(("sequential", plan, t)))
+    for config in ("default", "flashkda"):
+        case = bench.Case(B=1, T=128, H=2, K=64, gate="safe", lower_bound=-5.0, dtype=torch.float32, seed=0,
+                          config=config)
+        args = case.inputs(device="cpu")
+        calls = cp.runs(args, fla=lambda **a: made.append(("fla", None, a)),
+                        kda_forward=lambda **a: made.append(("ours", None, a)))
+        assert set(calls) == ({"kda_opt", "sequential", "fla", "flashkda"} if config == "flashkda"
+                              else {"kda_opt", "sequential", "fla"})
+        for name in ("kda_opt", "sequential", "fla"):
+            calls[name]()
+        assert all(t["q"] is args["q"] for _, _, t in made[-3:])
+    assert [k for k, _, _ in made] == ["ours", "sequential", "fla"] * 2
+    assert all(p.parallel is False for k, p, _ in made if k == "sequential")

@@ -111,7 +111,7 @@ class Case:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="scripts/test.py", description=__doc__.splitlines()[0])
-    p.add_argument("--test", choices=["naive", "fla", "benchmark", "all", "host"], default="all")
+    p.add_argument("--test", choices=["naive", "fla", "benchmark", "all", "host", "cp"], default="all")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--num-heads", type=int, default=96)
@@ -492,7 +492,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         return refuse("needs a CUDA GPU (none found); the CPU test suite is `bash scripts/check.sh`")
     fla = peers.fla_chunk_kda()
-    if fla is None and (args.sweep or args.test in ("fla", "benchmark", "all", "host")):
+    if fla is None and (args.sweep or args.test in ("fla", "benchmark", "all", "host", "cp")):
         return refuse(f"--test {args.test} needs fla-core (pip install 'kda-opt[bench]')")
     from triton import __version__ as triton_version
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton_version}, "
@@ -506,6 +506,15 @@ def main(argv=None) -> int:
         for r in rows:
             cells = [r[f] for f in host.FIELDS[1:]]
             print(f"{r['call']:42s} " + " ".join(f"{c:9.4f}" if isinstance(c, float) else f"{c:>9}" for c in cells))
+        return 0
+    if args.test == "cp":
+        from . import cp
+        rows = cp.cp_rows(fla, args.out_dir, args.warmup, args.rep)
+        print(f"\n{'B':>2} {'T':>7} {'H':>3} {'config':>8} {'ours ms':>8} {'sequential':>10} {'FLA ms':>8} {'FlashKDA':>8}")
+        for r in rows:
+            cells = [r[f] for f in ("kda_opt_ms", "sequential_ms", "fla_ms", "flashkda_ms")]
+            print(f"{r['B']:>2} {r['T']:>7} {r['H']:>3} {r['config']:>8} "
+                  + " ".join(f"{c:8.3f}" if isinstance(c, float) else f"{c:>8}" for c in cells))
         return 0
     if args.sweep:
         ceilings = measure_ceilings()
