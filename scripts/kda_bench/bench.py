@@ -321,7 +321,6 @@ def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
     """Median ms of FLA, FlashKDA (where it runs) and kda_forward on the same inputs, alternating, and
     of kda_forward without the initial state where the case has one (what the state costs us);
     returns a CSV row. kda_forward: kda_opt's, unless given."""
-    from triton.testing import do_bench
     if kda_forward is None:
         from kda_opt import kda_forward
     args = c.inputs()
@@ -336,14 +335,7 @@ def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
         if call:
             runs["flashkda"] = call
     flashkda = "flashkda" in runs
-    for f in runs.values():  # JIT and FLA's autotuning stay out of the timings
-        f()
-    torch.cuda.synchronize()
-    times = {name: [] for name in runs}
-    for _ in range(3):
-        for name, f in runs.items():
-            times[name].append(do_bench(f, warmup=warmup, rep=rep, return_mode="median"))
-    ms = {name: sorted(t)[1] for name, t in times.items()}
+    ms = medians_in_turns(runs, warmup, rep)
     ours_ms = ms["kda_opt"]
     bw, rate = ceilings
     nbytes, flops = min_bytes(c), min_flops(c)
@@ -397,6 +389,38 @@ ROW_DEFAULTS = {"varlen": 0, "config": "default", "initial_state": 0, "decay": "
                 "kda_opt_no_state_ms": NOT_RUN, "state_cost_pct": NOT_RUN, "flashkda_ms": NOT_RUN,
                 "speedup_vs_flashkda": NOT_RUN, "fla_flash_kda": "0", "kda_opt_dense_ms": NOT_RUN,
                 "pool_cost_pct": NOT_RUN, "kda_opt_ckpt_ms": NOT_RUN, "ckpt_cost_pct": NOT_RUN}
+
+
+def medians_in_turns(runs, warmup, rep):
+    """{name: ms} for {name: call}: each called once first (JIT and FLA's autotuning stay out of the
+    timings), then three rounds of do_bench medians with the systems in turns, the middle round kept."""
+    from triton.testing import do_bench
+    for f in runs.values():
+        f()
+    torch.cuda.synchronize()
+    times = {name: [] for name in runs}
+    for _ in range(3):
+        for name, f in runs.items():
+            times[name].append(do_bench(f, warmup=warmup, rep=rep, return_mode="median"))
+    return {name: sorted(t)[1] for name, t in times.items()}
+
+
+def show(row):
+    """One measured row on a line, as the --test modes print them while they run."""
+    print("  " + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
+
+
+def write_rows(rows, out_dir, name, fields):
+    """rows as <out_dir>/<name>_<gpu>.csv, floats to 4 decimals; returns the path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}_{gpu_tag()}.csv")
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: f"{v:.4f}" if isinstance(v, float) else v for k, v in r.items()})
+    print(f"wrote {path}")
+    return path
 
 
 def read_csv(path):

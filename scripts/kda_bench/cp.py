@@ -4,13 +4,10 @@ on the same inputs in the same process, FLA, and FlashKDA where it makes the cal
 do_bench, the systems in turns. Both configurations, with an fp32 initial state. Written to
 <out-dir>/cp_<gpu>.csv (one GPU; `gpus` and `one_gpu_ms` are there for rows across GPUs).
 """
-import csv
-import os
-
 import torch
 
 from . import peers
-from .bench import NOT_RUN, Case, gpu_tag
+from .bench import NOT_RUN, Case, medians_in_turns, show, write_rows
 
 CP_SHAPES = [(1, 65536, 16), (1, 131072, 8), (1, 262144, 4)]
 FIELDS = ["gpus", "B", "T", "H", "config", "kda_opt_ms", "sequential_ms", "fla_ms", "flashkda_ms", "one_gpu_ms"]
@@ -33,33 +30,16 @@ def runs(args, fla, kda_forward):
 @torch.inference_mode()
 def cp_rows(fla, out_dir, warmup=5, rep=30):
     """Measures every (shape, configuration) of CP_SHAPES, writes <out_dir>/cp_<gpu>.csv, returns the rows."""
-    from triton.testing import do_bench
     from kda_opt import kda_forward
     rows = []
     for B, T, H in CP_SHAPES:
         for config in ("default", "flashkda"):
             case = Case(B=B, T=T, H=H, K=128, gate="safe", lower_bound=-5.0, dtype=torch.bfloat16, seed=0,
                         config=config)
-            calls = runs(case.inputs(), fla, kda_forward)
-            for f in calls.values():   # JIT and FLA's autotuning stay out of the timings
-                f()
-            torch.cuda.synchronize()
-            times = {name: [] for name in calls}
-            for _ in range(3):
-                for name, f in calls.items():
-                    times[name].append(do_bench(f, warmup=warmup, rep=rep, return_mode="median"))
-            ms = {name: sorted(t)[1] for name, t in times.items()}
+            ms = medians_in_turns(runs(case.inputs(), fla, kda_forward), warmup, rep)
             row = dict(gpus=1, B=B, T=T, H=H, config=config, kda_opt_ms=ms["kda_opt"], sequential_ms=ms["sequential"],
                        fla_ms=ms["fla"], flashkda_ms=ms.get("flashkda", NOT_RUN), one_gpu_ms=ms["kda_opt"])
-            print("  " + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
-                  flush=True)
+            show(row)
             rows.append(row)
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"cp_{gpu_tag()}.csv")
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: f"{v:.4f}" if isinstance(v, float) else v for k, v in r.items()})
-    print(f"wrote {path}")
+    write_rows(rows, out_dir, "cp", FIELDS)
     return rows

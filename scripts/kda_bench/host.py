@@ -11,15 +11,13 @@ Rows (HOST_CALLS): Kimi-Linear's H = 32, K = V = 128, bf16, an fp32 initial stat
 where they make the call as it is (empty otherwise). Every call runs under torch.inference_mode(), as
 a serving engine runs its model. Written to <out-dir>/host_<gpu>.csv.
 """
-import csv
-import os
 import statistics
 import time
 
 import torch
 
 from . import peers, serving
-from .bench import NOT_RUN, Case, gpu_tag
+from .bench import NOT_RUN, Case, show, write_rows
 
 CALLS, REPEATS = 200, 7
 H, K = 32, 128
@@ -111,15 +109,7 @@ def host_rows(fla, out_dir):
                    flashkda_host_ms=host.get("flashkda", NOT_RUN),
                    kda_opt_eager_ms=do_bench(runs["kda_opt"], return_mode="median"),
                    kda_opt_graph_ms=graph_ms(runs["kda_opt"]))
-        print("  " + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
-              flush=True)
+        show(row)
         rows.append(row)
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"host_{gpu_tag()}.csv")
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: f"{v:.4f}" if isinstance(v, float) else v for k, v in r.items()})
-    print(f"wrote {path}")
+    write_rows(rows, out_dir, "host", FIELDS)
     return rows
