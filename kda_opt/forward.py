@@ -33,6 +33,7 @@ pass whose chain is the whole sequence. The result is that of one pass up to the
 """
 import contextlib
 import functools
+import math
 
 import nvtx
 import torch
@@ -41,7 +42,7 @@ from .gate import gate_cumsum
 from .intra import intra_chunk
 from .launch import Kernels, annotated, direct, nvtx_enabled
 from .options import CHUNK, state_shape
-from .plan import Plan, plan_for
+from .plan import Plan, Tuning, make_plan, plan_for
 from .seqs import block_offsets, packed
 from .wuso import wuso
 
@@ -216,16 +217,7 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
     kernels (kda_opt/launch; None: every launch through the JIT)."""
     ranges = nvtx_enabled()
     launch = launch or (annotated if ranges else direct)
-    if plan.copied:
-        q, k, v, beta = (x.contiguous() if n in plan.copied else x for n, x in zip(("q", "k", "v", "beta"), (q, k, v, beta)))
-    g = g.contiguous()
-    if initial_state is not None and not plan.state_pool:   # a pool is read and written where it is
-        initial_state = initial_state.contiguous()
-    if plan.gate.in_kernel:
-        A_log = None if A_log is None else A_log.to(torch.float32).contiguous()
-        dt_bias = None if dt_bias is None else dt_bias.to(torch.float32).contiguous()
-    else:
-        A_log = dt_bias = None
+    q, k, v, g, beta, initial_state, A_log, dt_bias = _as_read(plan, q, k, v, g, beta, initial_state, A_log, dt_bias)
     prepare = functools.partial(_stages_1_to_3, plan, launch, kernels, A_log=A_log, dt_bias=dt_bias)
     stage4 = functools.partial(launch, "wuso", wuso, scale=plan.scale, block_v=plan.block_v,
                                state_v_first=plan.state_v_first, worker_warps=plan.worker_warps,
@@ -245,6 +237,42 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
         else:
             o = _pipelined(plan, q, k, v, g, beta, state, checkpoints, prepare, stage4)
         return o, None if plan.state_pool else final
+
+
+def _as_read(plan: Plan, q, k, v, g, beta, initial_state, A_log, dt_bias):
+    """The inputs as the stages read them: contiguous copies where the plan says so (g and a dense
+    initial state always; a pool is read and written where it is), A_log and dt_bias as fp32 where
+    the gate is activated in kernel (else None)."""
+    if plan.copied:
+        q, k, v, beta = (x.contiguous() if n in plan.copied else x for n, x in zip(("q", "k", "v", "beta"), (q, k, v, beta)))
+    g = g.contiguous()
+    if initial_state is not None and not plan.state_pool:
+        initial_state = initial_state.contiguous()
+    if plan.gate.in_kernel:
+        A_log = None if A_log is None else A_log.to(torch.float32).contiguous()
+        dt_bias = None if dt_bias is None else dt_bias.to(torch.float32).contiguous()
+    else:
+        A_log = dt_bias = None
+    return q, k, v, g, beta, initial_state, A_log, dt_bias
+
+
+def transition(q, k, v, g, beta, scale=None, **options) -> torch.Tensor:
+    """The transition M [B, HV, K, K] fp32 of each of the B sequences (module docstring, "Parallel
+    segments"): its final state is M S_0 + (its final state from zero) for any initial state S_0
+    [K, V] (in the K-first layout; transposed, S_0ᵀ Mᵀ, V-first). kda_forward's arguments (no
+    state, pool or checkpoints: the transition does not depend on them; no packed sequences)."""
+    plan = make_plan(q, k, v, g, beta, scale, **options, tuning=Tuning(parallel=False))
+    if plan.packed or plan.initial_state or plan.state_pool or options.get("checkpoints") is not None:
+        raise ValueError("transition takes one batch of sequences without a state, pool or checkpoints")
+    q, k, v, g, beta, _, A_log, dt_bias = _as_read(plan, q, k, v, g, beta, None, options.get("A_log"),
+                                                   options.get("dt_bias"))
+    gcum, Aqk, Tm, r, rstd = _stages_1_to_3(plan, direct, None, q, k, g, beta, A_log=A_log, dt_bias=dt_bias)
+    M = v.new_empty((plan.B, plan.HV, plan.K, plan.K), dtype=torch.float32)
+    units = _segment_tables(q.device, ((0, 1),), CHUNK, plan.HV, plan.K)[2]
+    wuso(q, k, v, gcum, Tm, Aqk, plan.scale, math.gcd(plan.block_v, plan.K), initial_state=units,
+         slots=torch.zeros(plan.B, dtype=torch.int32, device=q.device), read_slots=True, final_state=M,
+         qk_rstd=rstd, beta_residual=r, transition=True, worker_warps=plan.worker_warps)
+    return M
 
 
 def _checkpoint_rows(plan: Plan, checkpoints, seqs, kernels):
@@ -301,13 +329,7 @@ def _parallel(plan: Plan, q, k, v, g, beta, state, checkpoints, prepare, stage4)
     M = v.new_empty((S - 2, plan.HV, plan.K, plan.K), dtype=torch.float32)
     stage4(q, k, v, gcum, Tm, Aqk, initial_state=units, slots=first_rows[1:S - 1] * 0, read_slots=True,
            final_state=M, cu_seqlens=bounds[1:S], transition=True, state_v_first=False, **common)
-    # The merge: segment j + 1 starts from M_j S_j + h_j (float64: S − 2 steps of [K, K] × [K, V]).
-    starts = [h[0]]
-    for j in range(1, S - 1):
-        prev = starts[-1].double()
-        step = M[j - 1].double() @ (prev.transpose(-1, -2) if plan.state_v_first else prev)
-        starts.append((step.transpose(-1, -2) if plan.state_v_first else step) + h[j])
-    starts = torch.stack([x.float() for x in starts])
+    starts = merge(h, M, plan.state_v_first)
     # Pass 2: segments 1 .. S − 1 from their true starts; the last writes the call's final state.
     final, pool = state["final_state"], state["write_slots"]
     ends = None if final is None or pool else torch.empty_like(starts)
@@ -318,6 +340,19 @@ def _parallel(plan: Plan, q, k, v, g, beta, state, checkpoints, prepare, stage4)
     if ends is not None:
         final.copy_(ends[-1:])
     return o
+
+
+def merge(h: torch.Tensor, M: torch.Tensor, v_first: bool = False) -> torch.Tensor:
+    """The states after each of n consecutive segments, [n, HV, K, V] fp32 ([n, HV, V, K] v_first):
+    from h [n, …] (each segment's final state from zero; the first's from the true start) and M
+    [n − 1, HV, K, K] (the transitions of segments 1 .. n − 1), S_0 = h_0, S_j = M_{j−1} S_{j−1} + h_j,
+    in float64 (n − 1 steps of [K, K] × [K, V] per head)."""
+    starts = [h[0].double()]
+    for j in range(1, h.shape[0]):
+        prev = starts[-1].transpose(-1, -2) if v_first else starts[-1]
+        step = M[j - 1].double() @ prev
+        starts.append((step.transpose(-1, -2) if v_first else step) + h[j].double())
+    return torch.stack(starts).float()
 
 
 def _state_row(plan: Plan) -> tuple[int, int, int]:

@@ -71,3 +71,32 @@ def test_parallel_segments_with_a_pool_and_checkpoints(state_v_first):
         assert torch.equal(pools[0][[0, 2]], pools[1][[0, 2]])          # other rows untouched
         assert rel_err(pools[1][1], pools[0][1]) <= ERROR_FLOOR
         assert rel_err(cks[1], cks[0]) <= ERROR_FLOOR
+
+
+@gpu
+@pytest.mark.parametrize("call", ["a state", "flashkda"])
+def test_slices_by_kda_opt_merged_equal_one_pass(call):
+    """kda_opt/distributed's steps on one GPU without a collective: three slices of one sequence (not
+    multiples of 64), each slice's final state from zero and transition (forward.transition) by
+    kda_opt, merged (forward.merge), each slice from its start: one pass's o and final state within
+    its error bound; the transition against the float64 reference's (v = 0 from I)."""
+    from kda_opt.distributed import Engine
+    from kda_opt.forward import merge, transition
+    args = slow(random_inputs(1, 1000, 2, 128, seed=53, **CALLS[call]))
+    initial = args.pop("initial_state")
+    args.pop("output_final_state")
+    o, s = kda_forward(**args, initial_state=initial, output_final_state=True)
+    cut = lambda a, b: {n: x[:, a:b] if n in ("q", "k", "v", "g", "beta") else x for n, x in args.items()}
+    slices = [cut(0, 300), cut(300, 577), cut(577, 1000)]
+    engine = Engine()
+    hs = [engine.ends(slices[0], initial)[1]] + [engine.ends(x, None)[1] for x in slices[1:]]
+    M = transition(**slices[1])
+    starts = merge(torch.cat(hs[:2]), M, bool(args.get("state_v_first")))
+    outs = [engine.ends(slices[0], initial)] + [engine.ends(x, starts[j:j + 1]) for j, x in enumerate(slices[1:])]
+    assert rel_err(torch.cat([x for x, _ in outs], dim=1), o) <= ERROR_FLOOR
+    assert rel_err(outs[-1][1], s) <= ERROR_FLOOR
+    q, v = slices[1]["q"], slices[1]["v"]
+    units = torch.eye(128, device="cuda").expand(1, v.shape[2], 128, 128)
+    ref_M = reference_forward(**{**slices[1], "v": v.new_zeros(*v.shape[:3], 128), "state_v_first": False},
+                              initial_state=units, output_final_state=True, method="chunked")[1]
+    assert rel_err(M, ref_M) <= ERROR_FLOOR

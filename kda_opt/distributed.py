@@ -1,0 +1,66 @@
+"""Context parallel over torch.distributed: one long sequence split along T across the ranks of a
+process group, each rank holding its slice (kda_opt/forward, "Parallel segments", across ranks).
+
+    rank r holds tokens [t_r, t_{r+1}) of the sequence: q, k, v, g, beta [1, T_r, ...]
+    1. h_r: its slice's final state from zero (rank 0: from the sequence's initial state), and for
+       0 < r < W − 1 its transition M_r (kda_opt/forward.transition)
+    2. all_gather of h and M over the group (fp32: HV·K·(V + K) numbers per rank)
+    3. its start S_{r−1} = merge(h_0 .. h_{r−1}, M_1 .. M_{r−1}) in float64 (kda_opt/forward.merge)
+    4. o_r from that start (rank 0's from step 1), and on the last rank the sequence's final state
+Every rank runs stages 1–3 and stage 4 over its slice twice (steps 1 and 4; rank 0 once), three
+times where it has a transition; the collective is one all_gather of two small tensors.
+"""
+import torch
+import torch.distributed as dist
+
+from . import forward
+
+
+class Engine:
+    """How a rank computes on its slice: kda_forward's arguments in, (o, final state) from a start,
+    and the slice's transition. This one is kda_opt's, on the GPU; tests pass the float64 reference."""
+
+    def ends(self, args, initial_state):
+        return forward.kda_forward(**args, initial_state=initial_state, output_final_state=True)
+
+    def transition(self, args):
+        return forward.transition(**args)
+
+
+def kda_forward_cp(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, *, group=None,
+                   engine: Engine | None = None, **options):
+    """kda_forward over one sequence whose tokens are split, in order, across the ranks of `group`
+    (None: the default group). Each rank passes its slice q, k [1, T_r, H, K], v [1, T_r, HV, V], g,
+    beta (any T_r ≥ 1: no multiple of 64 is needed, as the chunks of a slice need not be those of the
+    whole) and the same options (kda_forward's keyword arguments, without cu_seqlens, a state pool or
+    checkpoints). initial_state: the sequence's [1, HV, K, V] ([1, HV, V, K] with state_v_first), read
+    on rank 0 only (others pass None or anything). Returns (o_r [1, T_r, HV, V], the sequence's final
+    state on the last rank if output_final_state, else None). Every rank must call it: it holds one
+    all_gather. engine: how a slice is computed (Engine: kda_opt's)."""
+    for name in ("cu_seqlens", "cu_seqlens_cpu", "initial_state_indices", "initial_state_indices_cpu",
+                 "has_initial_state", "checkpoints"):
+        if options.get(name) is not None:
+            raise ValueError(f"kda_forward_cp takes one sequence split across ranks: {name} is not supported")
+    if q.shape[0] != 1:
+        raise ValueError(f"kda_forward_cp takes one sequence (B = 1) split across ranks, got B={q.shape[0]}")
+    engine = engine or Engine()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    v_first = bool(options.get("state_v_first"))
+    args = dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, **options)
+    o, h = engine.ends(args, initial_state if rank == 0 else None)
+    HV, K = h.shape[1], q.shape[-1]
+    M = engine.transition(args) if 0 < rank < world - 1 else h.new_zeros((1, HV, K, K))
+    hs = _all_gather(h.float().contiguous(), group, world)
+    Ms = _all_gather(M.float().contiguous(), group, world)
+    if rank > 0:
+        start = forward.merge(torch.cat(hs[:rank]), torch.cat(Ms[:rank])[1:], v_first)[-1:]
+        o, h = engine.ends(args, start)
+    final = h.float() if output_final_state and rank == world - 1 else None
+    return o, final
+
+
+def _all_gather(x, group, world):
+    """[x of rank 0, ..., x of rank W − 1]."""
+    out = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(out, x, group=group)
+    return out

@@ -1,0 +1,100 @@
+"""Context parallel across processes (kda_opt/distributed) on the CPU: 2 and 3 gloo processes, each
+with its slice of one sequence, every slice computed by the float64 reference (the Engine a test
+passes), against the reference over the whole sequence: the all_gather, the merge of the slices'
+states and transitions, the initial state on rank 0 and the final state on the last rank."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kda_bench.inputs import random_inputs
+from kda_opt import reference
+from kda_opt.distributed import Engine, kda_forward_cp
+
+CALLS = {
+    "a state": dict(initial_state=True),
+    "V-first state, l2norm, beta logits": dict(initial_state=True, state_v_first=True, l2norm=True, beta_logits=True),
+    "gate in kernel, GVA, K ≠ V": dict(gate="softplus", V=32, HV=4, initial_state=True),
+    "no state": dict(),
+}
+SPLITS = {2: [130, 170], 3: [100, 77, 123]}   # slices of 300 tokens, none a multiple of 64
+
+
+class Reference(Engine):
+    """Each slice by the float64 recurrence: its (o, final state) from a start, its transition as the
+    final state of v = 0 over K state columns from I."""
+
+    def ends(self, args, initial_state):
+        return reference.reference_forward(**args, initial_state=initial_state, output_final_state=True)
+
+    def transition(self, args):
+        q, v = args["q"], args["v"]
+        K, HV = q.shape[-1], v.shape[2]
+        zeros = v.new_zeros(*v.shape[:3], K)
+        units = torch.eye(K, dtype=torch.float64).expand(1, HV, K, K)
+        call = {**args, "v": zeros, "state_v_first": False}
+        return reference.reference_forward(**call, initial_state=units, output_final_state=True)[1]
+
+
+def inputs(call):
+    """The whole sequence's arguments on the CPU, in float64, with a slow decay (a log-decay in
+    (−0.02, 0] where g is the decay itself), so that each slice's start matters to its outputs."""
+    args = random_inputs(1, 300, 2, 16, device="cpu", dtype=torch.float64, seed=7,
+                         gate=call.get("gate", "preactivated"), **{k: v for k, v in call.items() if k != "gate"})
+    if "gate" not in call:
+        args["g"] = args["g"] * 0.02
+    args.pop("cu_seqlens_cpu", None)
+    return args
+
+
+def worker(rank, world, path, call_name):
+    dist.init_process_group("gloo", init_method=f"file://{path}/pg", rank=rank, world_size=world)
+    try:
+        args = inputs(CALLS[call_name])
+        bounds = [sum(SPLITS[world][:r]) for r in range(world + 1)]
+        mine = {n: x[:, bounds[rank]:bounds[rank + 1]] if n in ("q", "k", "v", "g", "beta") else x
+                for n, x in args.items()}
+        mine.pop("output_final_state")
+        initial = mine.pop("initial_state", None)
+        o, final = kda_forward_cp(**mine, initial_state=initial if rank == 0 else None, output_final_state=True,
+                                  engine=Reference())
+        torch.save((o, final), f"{path}/out{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("call", list(CALLS))
+def test_slices_across_processes_equal_one_pass(tmp_path, world, call):
+    mp.spawn(worker, args=(world, str(tmp_path), call), nprocs=world, join=True)
+    outs = [torch.load(tmp_path / f"out{r}.pt") for r in range(world)]
+    ref_o, ref_s = reference.reference_forward(**inputs(CALLS[call]))
+    o = torch.cat([x for x, _ in outs], dim=1)
+    # The states cross ranks in fp32 (the all_gather, the merge's output): 1e-6 where a wrong start is
+    # of order one at this decay.
+    assert reference.rel_err(o, ref_o) < 1e-6
+    assert reference.rel_err(outs[-1][1], ref_s) < 1e-6
+    assert all(s is None for _, s in outs[:-1])
+
+
+def test_merge_of_states_and_transitions():
+    """forward.merge: S_0 = h_0, S_j = M_{j−1} S_{j−1} + h_j per head, K-first and V-first."""
+    from kda_opt.forward import merge
+    gen = torch.Generator().manual_seed(0)
+    h, M = torch.randn(4, 2, 8, 5, generator=gen), torch.randn(3, 2, 8, 8, generator=gen)
+    S = [h[0].double()]
+    for j in range(1, 4):
+        S.append(M[j - 1].double() @ S[-1] + h[j].double())
+    assert torch.allclose(merge(h, M), torch.stack(S).float())
+    assert torch.allclose(merge(h.transpose(-1, -2), M, v_first=True).transpose(-1, -2), torch.stack(S).float())
+
+
+def test_refuses_what_it_does_not_split(monkeypatch):
+    """Packed sequences, pools and checkpoints are refused before any collective."""
+    args = inputs(CALLS["no state"])
+    args.pop("output_final_state")
+    for name in ("cu_seqlens", "checkpoints", "initial_state_indices"):
+        with pytest.raises(ValueError, match=name):
+            kda_forward_cp(**args, **{name: torch.zeros(1)}, engine=Reference())
+    with pytest.raises(ValueError, match="B = 1"):
+        kda_forward_cp(**{**args, "q": torch.cat([args["q"]] * 2)}, engine=Reference())
