@@ -81,6 +81,19 @@ def test_pool_of_one_sequence_cut_into_time_segments():
     assert torch.equal(o_seg, o) and torch.equal(segmented, one_pass) and not torch.equal(one_pass, pool)
 
 
+@gpu
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_pool_of_one_slot_left_alone_by_slot_minus_one(state_v_first):
+    """A pool of a single row and a request with slot −1 (a new request that keeps no state): the row
+    is neither read nor written, also where the row past the pool's end is its only other row."""
+    args = random_inputs(1, 200, 2, 128, seed=12, output_final_state=False, state_v_first=state_v_first)
+    pool, _ = padded_pool(1, 2, 128, 128, torch.float32, state_v_first)
+    before = pool.clone()
+    o = kda_forward(**{**args, "initial_state": pool, "initial_state_indices": torch.tensor([-1], device="cuda")})[0]
+    assert torch.equal(pool, before)
+    assert torch.equal(o, kda_forward(**{**args, "initial_state": None})[0])
+
+
 def truncated(args, lens, n, stop):
     """Sequence n of a packed call, alone and cut after its first `stop` tokens (B = 1, T = stop)."""
     a = sum(lens[:n])
