@@ -11,7 +11,9 @@ are read); v [B, T, HV, V]; Γ [B, T, HV, K] fp32; Tm [B, T, HV, 64] (k's dtype)
 16 bits, made exact; kda_opt/intra). Out: o [B, T, HV, V] in v's dtype; S [N, HV, K, V]
 fp32; both states [N, HV, V, K] if asked (state_v_first). N sequences: the B entries, or with
 cu_seqlens [N + 1] the packed sequences of the one entry (B = 1), each read through a view of its own
-rows (kda_opt/seqs).
+rows (kda_opt/seqs). Optionally the state after every E chunks into a checkpoint buffer; or, in the
+transition mode, v = 0 over K state columns and no o, so that from S0 = I the final state is the
+sequence's transition M (kda_opt/forward, "Parallel segments").
 Products take 16-bit operands (fp32 inputs: fp32) with fp32 accumulation. For bf16 inputs O's Aqk V'
 takes V' as hi + lo, which pays for stage 2's bf16 products (kda_opt/intra): o's error against
 float64, emulated, is 3.3e-3 with them and one rounded V', 2.9e-3 with the split, as with tf32.
