@@ -13,18 +13,34 @@ times where it has a transition; the collective is one all_gather of two small t
 import torch
 import torch.distributed as dist
 
-from . import forward
+from . import forward, reference
 
 
 class Engine:
     """How a rank computes on its slice: kda_forward's arguments in, (o, final state) from a start,
-    and the slice's transition. This one is kda_opt's, on the GPU; tests pass the float64 reference."""
+    and the slice's transition. This one is kda_opt's, on the GPU."""
 
     def ends(self, args, initial_state):
         return forward.kda_forward(**args, initial_state=initial_state, output_final_state=True)
 
     def transition(self, args):
         return forward.transition(**args)
+
+
+class ReferenceEngine(Engine):
+    """Each slice by the float64 recurrence (kda_opt/reference), on any device, the CPU too: its (o,
+    final state) from a start, its transition as the final state of v = 0 over K state columns from
+    I. For checking a setup (the collective, the split) where kda_opt's kernels cannot run."""
+
+    def ends(self, args, initial_state):
+        return reference.reference_forward(**args, initial_state=initial_state, output_final_state=True)
+
+    def transition(self, args):
+        q, v = args["q"], args["v"]
+        K, HV = q.shape[-1], v.shape[2]
+        units = torch.eye(K, dtype=torch.float64, device=q.device).expand(1, HV, K, K)
+        call = {**args, "v": v.new_zeros(*v.shape[:3], K), "state_v_first": False}
+        return reference.reference_forward(**call, initial_state=units, output_final_state=True)[1]
 
 
 def kda_forward_cp(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, *, group=None,

@@ -1,7 +1,7 @@
 """Context parallel across processes (kda_opt/distributed) on the CPU: 2 and 3 gloo processes, each
-with its slice of one sequence, every slice computed by the float64 reference (the Engine a test
-passes), against the reference over the whole sequence: the all_gather, the merge of the slices'
-states and transitions, the initial state on rank 0 and the final state on the last rank."""
+with its slice of one sequence computed by the float64 reference (ReferenceEngine), against the
+reference over the whole sequence: the all_gather, the merge of the slices' states and transitions,
+the initial state on rank 0 and the final state on the last rank."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 
 from kda_bench.inputs import random_inputs
 from kda_opt import reference
-from kda_opt.distributed import Engine, kda_forward_cp
+from kda_opt.distributed import ReferenceEngine as Reference, kda_forward_cp
 
 CALLS = {
     "a state": dict(initial_state=True),
@@ -18,22 +18,6 @@ CALLS = {
     "no state": dict(),
 }
 SPLITS = {2: [130, 170], 3: [100, 77, 123]}   # slices of 300 tokens, none a multiple of 64
-
-
-class Reference(Engine):
-    """Each slice by the float64 recurrence: its (o, final state) from a start, its transition as the
-    final state of v = 0 over K state columns from I."""
-
-    def ends(self, args, initial_state):
-        return reference.reference_forward(**args, initial_state=initial_state, output_final_state=True)
-
-    def transition(self, args):
-        q, v = args["q"], args["v"]
-        K, HV = q.shape[-1], v.shape[2]
-        zeros = v.new_zeros(*v.shape[:3], K)
-        units = torch.eye(K, dtype=torch.float64).expand(1, HV, K, K)
-        call = {**args, "v": zeros, "state_v_first": False}
-        return reference.reference_forward(**call, initial_state=units, output_final_state=True)[1]
 
 
 def inputs(call):
@@ -98,3 +82,17 @@ def test_refuses_what_it_does_not_split(monkeypatch):
             kda_forward_cp(**args, **{name: torch.zeros(1)}, engine=Reference())
     with pytest.raises(ValueError, match="B = 1"):
         kda_forward_cp(**{**args, "q": torch.cat([args["q"]] * 2)}, engine=Reference())
+
+
+def test_torchrun_example_on_the_cpu():
+    """examples/context_parallel.py --cpu under torchrun with 2 processes: it runs and prints errors
+    far below the bound."""
+    import re
+    import subprocess
+    import sys
+    root = __file__.rsplit("/tests/", 1)[0]
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          f"{root}/examples/context_parallel.py", "--cpu"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    errors = [float(x) for x in re.findall(r"(?:o|final state) ([0-9.e+-]+)", run.stdout)]
+    assert len(errors) == 2 and max(errors) < 1e-6, run.stdout
