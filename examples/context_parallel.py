@@ -44,8 +44,11 @@ def main():
     with torch.inference_mode():
         o, final = kda_forward_cp(**mine, initial_state=h0 if rank == 0 else None, output_final_state=True,
                                   engine=engine)
-        outs = [torch.empty_like(x) for x in _padded(o, bounds)]
-        dist.all_gather(outs, _pad(o, bounds), group=None)
+        # all_gather takes equal shapes: each slice padded to the longest.
+        longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+        mine_o = torch.cat([o, o.new_zeros((1, longest - o.shape[1], *o.shape[2:]))], dim=1)
+        outs = [torch.empty_like(mine_o) for _ in range(world)]
+        dist.all_gather(outs, mine_o)
         finals = [torch.empty(1, H, K, K, dtype=torch.float64, device=device) for _ in range(world)]
         dist.all_gather(finals, (final if final is not None else h0.new_zeros(1, H, K, K)).double())
         if rank == 0:
@@ -57,17 +60,6 @@ def main():
                   f"o {reference.rel_err(o_all, whole[0]):.1e}, final state "
                   f"{reference.rel_err(finals[-1], whole[1]):.1e} (relative to one call over the sequence)")
     dist.destroy_process_group()
-
-
-def _padded(o, bounds):
-    """One buffer per rank, each as long as the longest slice (all_gather takes equal shapes)."""
-    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
-    return [o.new_empty((1, longest, *o.shape[2:])) for _ in bounds[1:]]
-
-
-def _pad(o, bounds):
-    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
-    return torch.cat([o, o.new_zeros((1, longest - o.shape[1], *o.shape[2:]))], dim=1)
 
 
 if __name__ == "__main__":

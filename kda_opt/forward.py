@@ -268,9 +268,9 @@ def transition(q, k, v, g, beta, scale=None, **options) -> torch.Tensor:
                                                    options.get("dt_bias"))
     gcum, Aqk, Tm, r, rstd = _stages_1_to_3(plan, direct, None, q, k, g, beta, A_log=A_log, dt_bias=dt_bias)
     M = v.new_empty((plan.B, plan.HV, plan.K, plan.K), dtype=torch.float32)
-    units = _segment_tables(q.device, ((0, 1),), CHUNK, plan.HV, plan.K)[2]
-    wuso(q, k, v, gcum, Tm, Aqk, plan.scale, math.gcd(plan.block_v, plan.K), initial_state=units,
-         slots=torch.zeros(plan.B, dtype=torch.int32, device=q.device), read_slots=True, final_state=M,
+    wuso(q, k, v, gcum, Tm, Aqk, plan.scale, math.gcd(plan.block_v, plan.K),
+         initial_state=_units(q.device, plan.HV, plan.K), read_slots=True,
+         slots=torch.zeros(plan.B, dtype=torch.int32, device=q.device), final_state=M,
          qk_rstd=rstd, beta_residual=r, transition=True, worker_warps=plan.worker_warps)
     return M
 
@@ -310,7 +310,7 @@ def _parallel(plan: Plan, q, k, v, g, beta, state, checkpoints, prepare, stage4)
     segment 0 and written by the last; a dense final state is the last segment's row of its own
     buffer, copied."""
     S = len(plan.segments)
-    bounds, first_rows, units = _segment_tables(q.device, plan.segments, plan.checkpoint_every, plan.HV, plan.K)
+    bounds, first_rows, no_slot, zero_slot = _segment_tables(q.device, plan.segments, plan.checkpoint_every)
     gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta)
     common = dict(qk_rstd=rstd, beta_residual=r)
     o = torch.empty_like(v)
@@ -319,7 +319,7 @@ def _parallel(plan: Plan, q, k, v, g, beta, state, checkpoints, prepare, stage4)
     pool, initial, mask = state["read_slots"], state["initial_state"], state["has_initial_state"]
     slots = None
     if initial is not None:
-        slots = torch.cat((state["slots"].to(torch.int32) if pool else first_rows[:1] * 0, first_rows[1:S - 1] * 0 - 1))
+        slots = torch.cat((state["slots"].to(torch.int32) if pool else zero_slot[:1], no_slot[:S - 2]))
         if mask is not None:
             mask = torch.cat((mask, mask.new_zeros(S - 2)))
     h = v.new_empty((S - 1, *_state_row(plan)), dtype=torch.float32)
@@ -327,14 +327,14 @@ def _parallel(plan: Plan, q, k, v, g, beta, state, checkpoints, prepare, stage4)
            has_initial_state=mask, final_state=h, cu_seqlens=bounds[:S], out=o, checkpoints=checkpoints,
            checkpoint_rows=None if checkpoints is None else first_rows, **common)
     M = v.new_empty((S - 2, plan.HV, plan.K, plan.K), dtype=torch.float32)
-    stage4(q, k, v, gcum, Tm, Aqk, initial_state=units, slots=first_rows[1:S - 1] * 0, read_slots=True,
-           final_state=M, cu_seqlens=bounds[1:S], transition=True, state_v_first=False, **common)
+    stage4(q, k, v, gcum, Tm, Aqk, initial_state=_units(q.device, plan.HV, plan.K), slots=zero_slot[:S - 2],
+           read_slots=True, final_state=M, cu_seqlens=bounds[1:S], transition=True, state_v_first=False, **common)
     starts = merge(h, M, plan.state_v_first)
     # Pass 2: segments 1 .. S − 1 from their true starts; the last writes the call's final state.
     final, pool = state["final_state"], state["write_slots"]
     ends = None if final is None or pool else torch.empty_like(starts)
     stage4(q, k, v, gcum, Tm, Aqk, initial_state=starts, final_state=final if pool else ends, write_slots=pool,
-           slots=torch.cat((first_rows[2:S] * 0 - 1, state["slots"].to(torch.int32))) if pool else None,
+           slots=torch.cat((no_slot[:S - 2], state["slots"].to(torch.int32))) if pool else None,
            cu_seqlens=bounds[1:], out=o, checkpoints=checkpoints,
            checkpoint_rows=None if checkpoints is None else first_rows[1:], **common)
     if ends is not None:
@@ -361,13 +361,19 @@ def _state_row(plan: Plan) -> tuple[int, int, int]:
 
 
 @functools.lru_cache(maxsize=64)
-def _segment_tables(device: torch.device, segments, checkpoint_every: int, HV: int, K: int):
-    """Parallel segments' device tables: their bounds [S + 1] int32 (as cu_seqlens), each one's first
-    checkpoint row [S] int32 (which, times zero, gives slot rows), and I [1, HV, K, K] fp32."""
+def _segment_tables(device: torch.device, segments, checkpoint_every: int):
+    """Parallel segments' int32 device tables: their bounds [S + 1] (as cu_seqlens), each one's first
+    checkpoint row [S], and slot rows [S] of −1 (no state read or written) and of 0."""
     bounds = torch.tensor([t0 for t0, _ in segments] + [segments[-1][1]], dtype=torch.int32, device=device)
     first_rows = torch.tensor([t0 // checkpoint_every for t0, _ in segments], dtype=torch.int32, device=device)
-    units = torch.eye(K, device=device).expand(1, HV, K, K).contiguous()
-    return bounds, first_rows, units
+    no_slot = torch.full((len(segments),), -1, dtype=torch.int32, device=device)
+    return bounds, first_rows, no_slot, torch.zeros_like(no_slot)
+
+
+@functools.lru_cache(maxsize=16)
+def _units(device: torch.device, HV: int, K: int) -> torch.Tensor:
+    """I [1, HV, K, K] fp32: the start from which stage 4's transition mode gives a transition."""
+    return torch.eye(K, device=device).expand(1, HV, K, K).contiguous()
 
 
 @functools.cache

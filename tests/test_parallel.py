@@ -80,7 +80,7 @@ def test_slices_by_kda_opt_merged_equal_one_pass(call):
     multiples of 64), each slice's final state from zero and transition (forward.transition) by
     kda_opt, merged (forward.merge), each slice from its start: one pass's o and final state within
     its error bound; the transition against the float64 reference's (v = 0 from I)."""
-    from kda_opt.distributed import Engine
+    from kda_opt.distributed import Engine, ReferenceEngine
     from kda_opt.forward import merge, transition
     args = slow(random_inputs(1, 1000, 2, 128, seed=53, **CALLS[call]))
     initial = args.pop("initial_state")
@@ -95,8 +95,4 @@ def test_slices_by_kda_opt_merged_equal_one_pass(call):
     outs = [engine.ends(slices[0], initial)] + [engine.ends(x, starts[j:j + 1]) for j, x in enumerate(slices[1:])]
     assert rel_err(torch.cat([x for x, _ in outs], dim=1), o) <= ERROR_FLOOR
     assert rel_err(outs[-1][1], s) <= ERROR_FLOOR
-    q, v = slices[1]["q"], slices[1]["v"]
-    units = torch.eye(128, device="cuda").expand(1, v.shape[2], 128, 128)
-    ref_M = reference_forward(**{**slices[1], "v": v.new_zeros(*v.shape[:3], 128), "state_v_first": False},
-                              initial_state=units, output_final_state=True, method="chunked")[1]
-    assert rel_err(M, ref_M) <= ERROR_FLOOR
+    assert rel_err(M, ReferenceEngine().transition(slices[1])) <= ERROR_FLOOR
