@@ -1,5 +1,5 @@
 """The examples of README.md and docs/USAGE.md run as written (GPU): README's each alone, each of
-USAGE's from that page's setup block (its first)."""
+USAGE's that runs in one process from that page's setup block (its first)."""
 import pathlib
 import re
 
@@ -12,6 +12,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def blocks(page):
     return re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), flags=re.S)
+
+
+def in_process(page):
+    """The examples of a page that run in this process: not those written for torchrun (first line
+    `# torchrun ...`), which examples/context_parallel.py stands for (tests/test_distributed.py)."""
+    return [b for b in blocks(page) if not b.startswith("# torchrun")]
 
 
 def test_pages_have_examples():
@@ -36,9 +42,9 @@ def test_readme_serving_example():
 
 
 @gpu
-@pytest.mark.parametrize("index", range(1, len(blocks("docs/USAGE.md"))))
+@pytest.mark.parametrize("index", range(1, len(in_process("docs/USAGE.md"))))
 def test_usage_example(index):
-    setup, *examples = blocks("docs/USAGE.md")
+    setup, *examples = in_process("docs/USAGE.md")
     scope = {}
     exec(setup, scope)
     exec(examples[index - 1], scope)

@@ -94,11 +94,37 @@ def test_pool_of_one_slot_left_alone_by_slot_minus_one(state_v_first):
     assert torch.equal(o, kda_forward(**{**args, "initial_state": None})[0])
 
 
+@gpu
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_pool_of_one_slot_written_at_slot_zero(state_v_first):
+    """The same pool and a request with slot 0: the row is read and written as in a larger pool."""
+    args = random_inputs(1, 200, 2, 128, seed=12, output_final_state=False, state_v_first=state_v_first)
+    pool, _ = padded_pool(1, 2, 128, 128, torch.float32, state_v_first)
+    o_ref, s_ref = kda_forward(**{**args, "initial_state": pool.clone(), "output_final_state": True})
+    o = kda_forward(**{**args, "initial_state": pool, "initial_state_indices": torch.tensor([0], device="cuda")})[0]
+    assert torch.equal(o, o_ref) and torch.equal(pool, s_ref)
+
+
+@gpu
+@pytest.mark.parametrize("state_v_first", [False, True])
+@pytest.mark.parametrize("every", [64, 128])
+def test_checkpoints_of_one_row(state_v_first, every):
+    """A buffer of one checkpoint row under packed sequences with more intervals (no host copy of
+    cu_seqlens to check it against): the row is the first sequence's state after its first
+    interval; every later one is past the buffer, not written (into row 0)."""
+    lens = [300, 200]
+    args = random_inputs(1, 500, 2, 128, seqlens=lens, seed=14, initial_state=True, state_v_first=state_v_first)
+    del args["cu_seqlens_cpu"]
+    ck = torch.zeros(1, 1, 2, 128, 128, device="cuda")
+    kda_forward(**args, checkpoints=ck, checkpoint_every=every)
+    assert torch.equal(ck[0, 0], kda_forward(**truncated(args, lens, 0, every))[1][0])
+
+
 def truncated(args, lens, n, stop):
     """Sequence n of a packed call, alone and cut after its first `stop` tokens (B = 1, T = stop)."""
     a = sum(lens[:n])
     one = {name: x[:, a:a + stop] if name in ("q", "k", "v", "g", "beta") else x for name, x in args.items()}
-    one.pop("cu_seqlens"), one.pop("cu_seqlens_cpu")
+    one.pop("cu_seqlens"), one.pop("cu_seqlens_cpu", None)
     if "initial_state" in one:
         one["initial_state"] = args["initial_state"][n:n + 1]
     return one
