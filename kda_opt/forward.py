@@ -221,7 +221,8 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
     prepare = functools.partial(_stages_1_to_3, plan, launch, kernels, A_log=A_log, dt_bias=dt_bias)
     stage4 = functools.partial(launch, "wuso", wuso, scale=plan.scale, block_v=plan.block_v,
                                state_v_first=plan.state_v_first, worker_warps=plan.worker_warps,
-                               checkpoint_every=plan.checkpoint_every // CHUNK)
+                               checkpoint_every=plan.checkpoint_every // CHUNK,
+                               short_sequences=plan.short_sequences)
     with nvtx.annotate("kda_opt/forward", domain="kda_opt") if ranges else contextlib.nullcontext():
         seqs = launch("seqs", packed, cu_seqlens, plan.T, kernels) if plan.packed else None
         pool_out = _two_rows(initial_state, 0) if plan.state_pool else None
@@ -252,8 +253,9 @@ def _two_rows(buffer, dim: int):
 
 
 def _copy_back(buffer, stand_in, dim: int):
-    """Row 0 of _two_rows' copy back into `buffer` (nothing where the buffer was written itself)."""
-    if stand_in is not buffer:
+    """Row 0 of _two_rows' copy back into `buffer` (nothing where the buffer was written itself; also
+    none where there is no stand-in: no pool)."""
+    if stand_in is not None and stand_in is not buffer:
         buffer.copy_(stand_in.narrow(dim, 0, 1))
 
 

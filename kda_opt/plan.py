@@ -51,6 +51,7 @@ class Tuning:
     parallel: bool | None = None  # a lone sequence's segments at once (parallel_segments); None: where it
                                   # pays, True: wherever it applies, False: never
     parallel_tokens: int = 2048   # parallel segments: at least this many tokens each
+    short_sequences: bool = True  # packed: a sequence of one chunk read by element offsets, not views
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class Plan:
     block_v: int                  # stage 4's V columns per program
     segments: tuple[tuple[int, int], ...]  # token ranges: time segments, or parallel segments
     parallel: bool                # the segments run at once (parallel_segments), not one after another
+    short_sequences: bool         # packed: stage 4 reads a sequence of one chunk by element offsets
     intra_warps: int
     worker_warps: int
 
@@ -136,6 +138,7 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         segments=parallel or time_segments(T, N, N * HV * (V // block_v), sms, cu_seqlens is not None,
                                            tuning.segment_tokens, tuning.max_segments, align),
         parallel=parallel is not None,
+        short_sequences=cu_seqlens is not None and tuning.short_sequences,
         intra_warps=tuning.intra_warps or warps_for(q.dtype), worker_warps=tuning.worker_warps,
     )
 

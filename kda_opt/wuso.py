@@ -11,7 +11,9 @@ are read); v [B, T, HV, V]; Γ [B, T, HV, K] fp32; Tm [B, T, HV, 64] (k's dtype)
 16 bits, made exact; kda_opt/intra). Out: o [B, T, HV, V] in v's dtype; S [N, HV, K, V]
 fp32; both states [N, HV, V, K] if asked (state_v_first). N sequences: the B entries, or with
 cu_seqlens [N + 1] the packed sequences of the one entry (B = 1), each read through a view of its own
-rows (kda_opt/seqs). Optionally the state after every E chunks into a checkpoint buffer; or, in the
+rows (kda_opt/seqs); where the launcher is asked (short_sequences), those of at most one chunk are
+read and written by element offsets into the whole arrays instead, in a launch of their own
+(_one_chunk: no view, whose TMA descriptor each program writes to memory, and no loop). Optionally the state after every E chunks into a checkpoint buffer; or, in the
 transition mode, v = 0 over K state columns and no o, so that from S0 = I the final state is the
 sequence's transition M (kda_opt/forward, "Parallel segments").
 Products take 16-bit operands (fp32 inputs: fp32) with fp32 accumulation. For bf16 inputs O's Aqk V'
@@ -39,6 +41,9 @@ F32 = ct.float32
 # 64 B per thread spill, where the compiler's default (two four-warp groups with different jobs)
 # spills 72–400 B (sm_90 cubins from tileiras 13.4 and 13.5).
 BLOCK_V_CHOICES = (32, 64, 128)
+# Which packed sequences one launch computes (the kernel's SHORT): all of them through _sequence, or
+# those longer than a chunk through it, or those of at most one chunk through _one_chunk.
+EVERY_SEQUENCE, LONG_ONLY, SHORT_ONLY = 0, 1, 2
 WORKER_WARPS = 8
 
 
@@ -50,39 +55,18 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, SLOTS, MASK, CK,
                 K: ConstInt, BV: ConstInt, C: ConstInt, HAS_S0: ConstBool, STORE_SF: ConstBool,
                 SPLIT_V: ConstBool, PACKED: ConstBool, L2NORM: ConstBool, V_FIRST: ConstBool,
                 BETA_RESIDUAL: ConstBool, READ_SLOTS: ConstBool, WRITE_SLOTS: ConstBool, HAS_MASK: ConstBool,
-                STORE_CK: ConstBool, CK_EVERY: ConstInt, TRANSITION: ConstBool):
+                STORE_CK: ConstBool, CK_EVERY: ConstInt, TRANSITION: ConstBool, SHORT: ConstInt):
     i_v, i_nh = ct.bid(0), ct.bid(1)
     H, HV = Q.shape[2], Vx.shape[2]
     i_n, i_hv = i_nh // HV, i_nh % HV                         # sequence, value head
     i_h = i_hv // (HV // H)                                   # GVA: HV / H value heads per q/k head
-    i_b = i_n
-    ck_b, ck_row = i_n, 0                                     # checkpoints: sequence i_n's first row
+    bos, eos = 0, Q.shape[1]
     if PACKED:
-        # Sequence i_n is rows cu[i_n] .. cu[i_n + 1] − 1 of the one batch entry: every [1, T, ...]
-        # array is viewed through those rows, so that chunks start at the sequence's first token and
-        # the zero padding of a tail chunk stops at its end. Clamped as in kda_opt/seqs: a cu_seqlens
-        # that breaks its contract gives wrong numbers, never an access out of bounds.
-        T_all = Q.shape[1]
-        bos = min(max(ct.load(CU, index=(i_n,), shape=(1,)).astype(ct.int32).item(), 0), T_all)
-        eos = min(max(ct.load(CU, index=(i_n + 1,), shape=(1,)).astype(ct.int32).item(), bos), T_all)
-        start = min(bos, T_all - 1)                           # a view must start inside the array
-        stop = start + eos - bos
-        Q = Q.slice(axis=1, start=start, stop=stop)
-        Kx = Kx.slice(axis=1, start=start, stop=stop)
-        Vx = Vx.slice(axis=1, start=start, stop=stop)
-        G = G.slice(axis=1, start=start, stop=stop)
-        TM = TM.slice(axis=1, start=start, stop=stop)
-        AQK = AQK.slice(axis=1, start=start, stop=stop)
-        if BETA_RESIDUAL:
-            RB = RB.slice(axis=2, start=start, stop=stop)
-        if L2NORM:
-            RSTD = RSTD.slice(axis=3, start=start, stop=stop)
-        O = O.slice(axis=1, start=start, stop=stop)
-        i_b = 0
-        if STORE_CK:
-            ck_b, ck_row = 0, ct.load(CK_ROW0, index=(i_n,), shape=(1,)).item()
-    T = Q.shape[1]
-    dt = Q.dtype                                              # mma operand dtype; fp32 stays fp32
+        # Sequence i_n is rows cu[i_n] .. cu[i_n + 1] − 1 of the one batch entry. Clamped as in
+        # kda_opt/seqs: a cu_seqlens that breaks its contract gives wrong numbers, never an access
+        # out of bounds.
+        bos = min(max(ct.load(CU, index=(i_n,), shape=(1,)).astype(ct.int32).item(), 0), eos)
+        eos = min(max(ct.load(CU, index=(i_n + 1,), shape=(1,)).astype(ct.int32).item(), bos), eos)
     # States [N, HV, K, V], or [N, HV, V, K] (V_FIRST): the tiles are [K, BV] either way. In a state
     # pool (READ_SLOTS / WRITE_SLOTS) sequence i_n's row is SLOTS[i_n]; a slot outside the pool reads
     # zeros and is not written (a store outside an array is dropped: the row past the last stands in
@@ -98,6 +82,53 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, SLOTS, MASK, CK,
             s_out = ct.where((slot >= 0) & (slot < SF.shape[0]), slot, SF.shape[0])
     if HAS_MASK:
         use_s0 = use_s0 & ct.load(MASK, index=(i_n,), shape=(1,)).item()
+    ck_b, ck_row = i_n, 0                                     # checkpoints: sequence i_n's first row
+    if PACKED and STORE_CK:
+        ck_b, ck_row = 0, ct.load(CK_ROW0, index=(i_n,), shape=(1,)).item()
+    # Which packed sequences this launch computes: one launch with both paths, a branch between them,
+    # took the compiler off the long path's schedule (255 registers; long packed sequences +40 %).
+    if SHORT == SHORT_ONLY:
+        if eos - bos <= C:
+            _one_chunk(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, bos, eos - bos, i_h, i_hv, i_v, scale, s_in,
+                       s_out, use_s0, ck_row, K, BV, C, HAS_S0, STORE_SF, SPLIT_V, L2NORM, V_FIRST, BETA_RESIDUAL,
+                       READ_SLOTS or HAS_MASK, STORE_CK, CK_EVERY, TRANSITION)
+    elif SHORT == LONG_ONLY:
+        if eos - bos > C:
+            _sequence(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, bos, eos, i_n, i_h, i_hv, i_v, scale, s_in,
+                      s_out, use_s0, ck_b, ck_row, K, BV, C, HAS_S0, STORE_SF, SPLIT_V, PACKED, L2NORM, V_FIRST,
+                      BETA_RESIDUAL, READ_SLOTS or HAS_MASK, STORE_CK, CK_EVERY, TRANSITION)
+    else:
+        _sequence(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, bos, eos, i_n, i_h, i_hv, i_v, scale, s_in, s_out,
+                  use_s0, ck_b, ck_row, K, BV, C, HAS_S0, STORE_SF, SPLIT_V, PACKED, L2NORM, V_FIRST, BETA_RESIDUAL,
+                  READ_SLOTS or HAS_MASK, STORE_CK, CK_EVERY, TRANSITION)
+
+
+@ct.function
+def _sequence(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, bos, eos, i_n, i_h, i_hv, i_v, scale, s_in, s_out,
+              use_s0, ck_b, ck_row, K: ConstInt, BV: ConstInt, C: ConstInt, HAS_S0: ConstBool, STORE_SF: ConstBool,
+              SPLIT_V: ConstBool, PACKED: ConstBool, L2NORM: ConstBool, V_FIRST: ConstBool, BETA_RESIDUAL: ConstBool,
+              S0_CHECKED: ConstBool, STORE_CK: ConstBool, CK_EVERY: ConstInt, TRANSITION: ConstBool):
+    """One program's sequence chunk after chunk (the kernel's arguments, resolved): o, checkpoints
+    and the final state stored."""
+    i_b = i_n
+    if PACKED:
+        # Every [1, T, ...] array viewed through the sequence's rows, so that chunks start at its
+        # first token and the zero padding of a tail chunk stops at its end.
+        start = min(bos, Q.shape[1] - 1)                      # a view must start inside the array
+        stop = start + eos - bos
+        Q = Q.slice(axis=1, start=start, stop=stop)
+        Kx = Kx.slice(axis=1, start=start, stop=stop)
+        Vx = Vx.slice(axis=1, start=start, stop=stop)
+        G = G.slice(axis=1, start=start, stop=stop)
+        TM = TM.slice(axis=1, start=start, stop=stop)
+        AQK = AQK.slice(axis=1, start=start, stop=stop)
+        if BETA_RESIDUAL:
+            RB = RB.slice(axis=2, start=start, stop=stop)
+        if L2NORM:
+            RSTD = RSTD.slice(axis=3, start=start, stop=stop)
+        O = O.slice(axis=1, start=start, stop=stop)
+        i_b = 0
+    T = Q.shape[1]
     state_order = (0, 1, 3, 2) if V_FIRST else (0, 1, 2, 3)
     # Checkpoints (the state after every CK_EVERY chunks and after the last; a row past the buffer's
     # end is dropped, _checkpoint_row) go where the compiler's schedule hides their store best
@@ -126,21 +157,79 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, SLOTS, MASK, CK,
                 i_t = i_blk * CK_EVERY + i_in
                 S = _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, i_h, i_hv, i_v, T, chunks, scale,
                            s_in, use_s0, ck_b, ck_row, K, BV, C, HAS_S0, SPLIT_V, L2NORM, V_FIRST, BETA_RESIDUAL,
-                           READ_SLOTS or HAS_MASK, False, False, CK_EVERY, TRANSITION)
+                           S0_CHECKED, False, False, CK_EVERY, TRANSITION)
             _checkpoint(CK, S, ck_b, ck_row + i_blk, i_hv, i_v, K, BV, V_FIRST)
     else:
         for i_t in range(chunks):
             S = _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, i_h, i_hv, i_v, T, chunks, scale, s_in,
                        use_s0, ck_b, ck_row, K, BV, C, HAS_S0, SPLIT_V, L2NORM, V_FIRST, BETA_RESIDUAL,
-                       READ_SLOTS or HAS_MASK, ck_early, ck_late, CK_EVERY, TRANSITION)
+                       S0_CHECKED, ck_early, ck_late, CK_EVERY, TRANSITION)
     if ck_early:                                              # the last chunk's (none if T = 0)
         _checkpoint(CK, S, ck_b, _checkpoint_row(chunks, chunks, ck_row, CK.shape[1], CK_EVERY), i_hv, i_v, K, BV,
                     V_FIRST)
     if HAS_S0:
         if T == 0:                                            # an empty packed sequence keeps its state
-            S = _initial_state(S0, s_in, use_s0, i_hv, i_v, K, BV, V_FIRST, READ_SLOTS or HAS_MASK)
+            S = _initial_state(S0, s_in, use_s0, i_hv, i_v, K, BV, V_FIRST, S0_CHECKED)
     if STORE_SF:
         ct.store(SF, index=(s_out, i_hv, 0, i_v), tile=S.astype(SF.dtype).reshape((1, 1, K, BV)), order=state_order)
+
+
+@ct.function
+def _one_chunk(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, bos, n, i_h, i_hv, i_v, scale, s_in, s_out, use_s0,
+               ck_row, K: ConstInt, BV: ConstInt, C: ConstInt, HAS_S0: ConstBool, STORE_SF: ConstBool,
+               SPLIT_V: ConstBool, L2NORM: ConstBool, V_FIRST: ConstBool, BETA_RESIDUAL: ConstBool,
+               S0_CHECKED: ConstBool, STORE_CK: ConstBool, CK_EVERY: ConstInt, TRANSITION: ConstBool):
+    """A packed sequence of n ≤ C tokens from row bos, its one chunk: rows read and o stored by
+    element offsets into the whole [1, T, ...] arrays (rows past n as zeros, not stored), where
+    _sequence views them (a view costs the program a TMA descriptor written to memory, per array:
+    most of a short sequence's time)."""
+    dt = Q.dtype
+    row = ct.arange(C, dtype=ct.int64).reshape((C, 1))
+    tok, valid = bos + row, row < n
+    q = _rows(Q, tok, valid, i_h, 0, K)
+    k = _rows(Kx, tok, valid, i_h, 0, K)
+    g = _rows(G, tok, valid, i_hv, 0, K)
+    if TRANSITION:
+        v = ct.zeros((C, BV), dtype=F32)
+    else:
+        v = _rows(Vx, tok, valid, i_hv, i_v * BV, BV)
+    tm = _rows(TM, tok, valid, i_hv, 0, C)
+    aqk = _rows(AQK, tok, valid, i_hv, 0, C)
+    last = ct.full((1, 1), bos + n - 1, dtype=ct.int64)
+    g_last = _rows(G, last, last >= bos, i_hv, 0, K)                           # [1, K]; 0 where n = 0
+    rq = rk = r = None
+    if L2NORM:                                                                   # RSTD [2, 1, H, T]
+        at = i_h * RSTD.strides[2] + tok * RSTD.strides[3]
+        rq = RSTD.get_raw_memory().load_offset(at, mask=valid)
+        rk = RSTD.get_raw_memory().load_offset(at + RSTD.strides[0], mask=valid)
+    if BETA_RESIDUAL:                                                            # RB [1, HV, T]
+        r = RB.get_raw_memory().load_offset(i_hv * RB.strides[1] + tok * RB.strides[2], mask=valid)
+    S = ct.zeros((K, BV), dtype=F32)
+    if HAS_S0:
+        S = _initial_state(S0, s_in, use_s0, i_hv, i_v, K, BV, V_FIRST, S0_CHECKED)
+    o, v_new, k_dec_t, decay = _products(S, q, k, g, v, tm, aqk, g_last, rq, rk, r, scale, dt, L2NORM, BETA_RESIDUAL,
+                                         SPLIT_V)
+    if not TRANSITION:
+        col = ct.arange(BV, dtype=ct.int64).reshape((1, BV))
+        at = tok * O.strides[1] + i_hv * O.strides[2] + (i_v * BV + col) * O.strides[3]
+        O.get_raw_memory().store_offset(at, o.astype(O.dtype), mask=valid & (col >= 0))
+    # With n = 0: Γ_last = 0 and k, V' zero, so S stays S0 exactly.
+    S = ct.mma(k_dec_t.astype(dt), v_new, S * decay)                            # [K, BV]
+    if STORE_CK:
+        _checkpoint(CK, S, 0, _checkpoint_row(ct.cdiv(n, C), ct.cdiv(n, C), ck_row, CK.shape[1], CK_EVERY), i_hv,
+                    i_v, K, BV, V_FIRST)
+    if STORE_SF:
+        ct.store(SF, index=(s_out, i_hv, 0, i_v), tile=S.astype(SF.dtype).reshape((1, 1, K, BV)),
+                 order=(0, 1, 3, 2) if V_FIRST else (0, 1, 2, 3))
+
+
+@ct.function
+def _rows(A, tok, valid, head, col0, W: ConstInt):
+    """A [1, T, H, ·] array's tile [R, W] at token rows tok [R, 1] (int64), head `head`, columns
+    col0 .. col0 + W − 1, by element offsets; zeros where not valid [R, 1]."""
+    col = ct.arange(W, dtype=ct.int64).reshape((1, W))
+    at = tok * A.strides[1] + head * A.strides[2] + (col0 + col) * A.strides[3]
+    return A.get_raw_memory().load_offset(at, mask=valid & (col >= 0))
 
 
 @ct.function
@@ -168,13 +257,37 @@ def _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, i_h, i_hv, i
     # Γ_last from its own row: a zero-padded tail row would read as Γ = 0.
     last = min(i_t * C + C, T) - 1
     g_last = ct.load(G, index=(i_b, last, i_hv, 0), shape=(1, 1, 1, K)).reshape((1, K))
+    rq = rk = r = None
+    if L2NORM:
+        rq = ct.load(RSTD, index=(0, i_b, i_h, i_t), shape=(1, 1, 1, C), padding_mode=ZERO).reshape((C, 1))
+        rk = ct.load(RSTD, index=(1, i_b, i_h, i_t), shape=(1, 1, 1, C), padding_mode=ZERO).reshape((C, 1))
+    if BETA_RESIDUAL:
+        r = ct.load(RB, index=(i_b, i_hv, i_t), shape=(1, 1, C), padding_mode=ZERO).reshape((C, 1))
+    o, v_new, k_dec_t, decay = _products(S, q, k, g, v, tm, aqk, g_last, rq, rk, r, scale, dt, L2NORM, BETA_RESIDUAL,
+                                         SPLIT_V)
+    if not TRANSITION:
+        ct.store(O, index=(i_b, i_t, i_hv, i_v), tile=o.astype(O.dtype).reshape((1, C, 1, BV)))
+    if CK_EARLY:
+        _checkpoint(CK, S, ck_b, _checkpoint_row(i_t, chunks, ck_row, CK.shape[1], CK_EVERY), i_hv, i_v, K, BV,
+                    V_FIRST)
+    S = ct.mma(k_dec_t.astype(dt), v_new, S * decay)                            # [K, BV]
+    if CK_LATE:
+        _checkpoint(CK, S, ck_b, _checkpoint_row(i_t + 1, chunks, ck_row, CK.shape[1], CK_EVERY), i_hv, i_v, K,
+                    BV, V_FIRST)
+    return S
+
+
+@ct.function
+def _products(S, q, k, g, v, tm, aqk, g_last, rq, rk, r, scale, dt, L2NORM: ConstBool, BETA_RESIDUAL: ConstBool,
+              SPLIT_V: ConstBool):
+    """One chunk's products from S [K, BV] fp32 and its tiles (q, k [C, K]; Γ [C, K]; v [C, BV]; Tm,
+    Aqk [C, C]; Γ_last [1, K]; the norms rq, rk and β's residual r [C, 1] where asked): o [C, BV],
+    V' (dt), (k ⊙ 2^(Γ_last − Γ))ᵀ [K, C] and 2^Γ_last [K, 1], from which S ← decay·S + k_decᵀ V'."""
     kf = k.astype(F32)
     qf = q.astype(F32)
     if L2NORM:
         # FLA's l2norm per row (use_qk_l2norm_in_kernel), with stage 2's norms: a row reduction
         # here would sit on the chunk's dependency chain.
-        rq = ct.load(RSTD, index=(0, i_b, i_h, i_t), shape=(1, 1, 1, C), padding_mode=ZERO).reshape((C, 1))
-        rk = ct.load(RSTD, index=(1, i_b, i_h, i_t), shape=(1, 1, 1, C), padding_mode=ZERO).reshape((C, 1))
         qf = qf * rq
         kf = kf * rk
     # ftz: gates drive 2^Γ into subnormals, which are worth nothing next to the state.
@@ -185,32 +298,22 @@ def _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, i_h, i_hv, i
     # torch emulation of both orders, bf16 and fp32, agreed to two digits).
     x = ct.mma((kf * -eg).astype(dt), s_op, v.astype(F32))                     # v − (2^Γ ⊙ k) S
     if BETA_RESIDUAL:
-        r = ct.load(RB, index=(i_b, i_hv, i_t), shape=(1, 1, C), padding_mode=ZERO).reshape((C, 1))
         v_f32 = ct.mma(tm.astype(dt), x.astype(dt), r * x)                      # V' [C, BV]
     else:
-        v_f32 = ct.mma(tm.astype(dt), x.astype(dt), ct.zeros((C, BV), dtype=F32))
+        v_f32 = ct.mma(tm.astype(dt), x.astype(dt), ct.zeros(x.shape, dtype=F32))
     v_new = v_f32.astype(dt)
-    o = ct.mma((qf * eg * scale).astype(dt), s_op, ct.zeros((C, BV), dtype=F32))
+    o = ct.mma((qf * eg * scale).astype(dt), s_op, ct.zeros(x.shape, dtype=F32))
     if SPLIT_V:
         # O takes V' as hi + lo (one more product, off the state's chain): V' rounded to
         # bf16 then reaches O only through S.
         o = ct.mma(aqk.astype(dt), (v_f32 - v_new.astype(F32)).astype(dt), o)
     o = ct.mma(aqk.astype(dt), v_new, o)                                         # [C, BV]
-    if not TRANSITION:
-        ct.store(O, index=(i_b, i_t, i_hv, i_v), tile=o.astype(O.dtype).reshape((1, C, 1, BV)))
     # (k ⊙ 2^(Γ_last − Γ))ᵀ from k and Γ transposed before the product: transposing the product
     # makes the compiler redo its exp2 per fragment of the mma operand (4× the exp2, and spills).
     # 2^(Γ_last − Γ) ≤ 1 on valid rows: never 2^Γ_last · 2^−Γ, which overflows.
     g_last_t = ct.transpose(g_last)                                              # [K, 1]
     k_dec_t = ct.transpose(kf) * ct.exp2(g_last_t - ct.transpose(g), flush_to_zero=True)  # [K, C]
-    if CK_EARLY:
-        _checkpoint(CK, S, ck_b, _checkpoint_row(i_t, chunks, ck_row, CK.shape[1], CK_EVERY), i_hv, i_v, K, BV,
-                    V_FIRST)
-    S = ct.mma(k_dec_t.astype(dt), v_new, S * ct.exp2(g_last_t, flush_to_zero=True))     # [K, BV]
-    if CK_LATE:
-        _checkpoint(CK, S, ck_b, _checkpoint_row(i_t + 1, chunks, ck_row, CK.shape[1], CK_EVERY), i_hv, i_v, K,
-                    BV, V_FIRST)
-    return S
+    return o, v_new, k_dec_t, ct.exp2(g_last_t, flush_to_zero=True)
 
 
 @ct.function
@@ -278,9 +381,10 @@ def _kernel(worker_warps: int):
 def launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, final_state, cu_seqlens=None,
                   qk_rstd=None, state_v_first=False, beta_residual=None, slots=None, read_slots=False,
                   write_slots=False, has_initial_state=None, checkpoints=None, checkpoint_rows=None,
-                  checkpoint_every=1, transition=False):
+                  checkpoint_every=1, transition=False, sequences=EVERY_SEQUENCE):
     """(grid, kernel arguments) of one launch: the one place both the launcher and the export test
-    (tests/test_wuso.py, on meta tensors) take the kernel's specialisation from."""
+    (tests/test_wuso.py, on meta tensors) take the kernel's specialisation from. sequences: which
+    packed sequences the launch computes (EVERY_SEQUENCE, LONG_ONLY, SHORT_ONLY)."""
     B, _, HV, V = v.shape
     given = lambda x, ndim, dtype=torch.float32: _stand_in(v.device, ndim, dtype) if x is None else x
     args = (q, k, v, gcum, Tm, Aqk, given(beta_residual, 3), given(qk_rstd, 4), given(initial_state, 4), o,
@@ -290,7 +394,7 @@ def launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, fina
             q.shape[-1], block_v, CHUNK, initial_state is not None, final_state is not None,
             q.dtype == torch.bfloat16, cu_seqlens is not None, qk_rstd is not None, state_v_first,
             beta_residual is not None, read_slots, write_slots, has_initial_state is not None, checkpoints is not None,
-            checkpoint_every, transition)
+            checkpoint_every, transition, sequences)
     columns = q.shape[-1] if transition else V                # the transition's state is [K, K]
     return (columns // block_v, num_sequences(B, cu_seqlens) * HV, 1), args
 
@@ -298,7 +402,8 @@ def launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, fina
 def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=None, final_state=None,
          slots=None, read_slots: bool = False, write_slots: bool = False, has_initial_state=None, checkpoints=None,
          checkpoint_rows=None, checkpoint_every: int = 1, cu_seqlens=None, qk_rstd=None, state_v_first: bool = False,
-         beta_residual=None, transition: bool = False, out=None, worker_warps: int = WORKER_WARPS):
+         beta_residual=None, transition: bool = False, short_sequences: bool = False, out=None,
+         worker_warps: int = WORKER_WARPS):
     """Stage 4 on the current stream: o [B, T, HV, V] (v's dtype), returned; the final states written
     into final_state. Inputs as in the module docstring, validated by kda_opt/plan (q, k, v may be
     views whose token rows are dense and evenly spaced); absent ones None; cu_seqlens [N + 1] packs
@@ -318,10 +423,16 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
     states are each sequence's transition M, S_out = M S_in + (its final state from zero), which
     kda_opt/forward's parallel segments merge. out: o's storage, a
     [B, T, HV, V] tensor of v's dtype whose rows are contiguous (a slice along T of a B = 1 tensor,
-    kda_opt/forward's time segments), or None for a new one. worker_warps: the kernel's worker warps."""
+    kda_opt/forward's time segments), or None for a new one. short_sequences (packed): two launches, the
+sequences longer than a chunk and those of at most one chunk (_one_chunk), each skipping the other's.
+worker_warps: the kernel's worker warps."""
     o = v if transition else torch.empty_like(v) if out is None else out      # (transition: never written)
     grid, args = launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, final_state, cu_seqlens,
                                qk_rstd, state_v_first, beta_residual, slots, read_slots, write_slots,
                                has_initial_state, checkpoints, checkpoint_rows, checkpoint_every, transition)
-    ct.launch(current_stream(), grid, _kernel(worker_warps), args)
+    if short_sequences and cu_seqlens is not None:
+        for part in (LONG_ONLY, SHORT_ONLY):
+            ct.launch(current_stream(), grid, _kernel(worker_warps), args[:-1] + (part,))
+    else:
+        ct.launch(current_stream(), grid, _kernel(worker_warps), args)
     return None if transition else o

@@ -120,6 +120,44 @@ def test_checkpoints_of_one_row(state_v_first, every):
     assert torch.equal(ck[0, 0], kda_forward(**truncated(args, lens, 0, every))[1][0])
 
 
+SHORT_LENS = [1, 63, 300, 64, 0, 65, 2, 129]   # of at most one chunk (stage 4's _one_chunk) among longer ones
+
+
+@gpu
+@pytest.mark.parametrize("call", list(CALLS))
+@pytest.mark.parametrize("state", ["none", "dense", "pool"])
+@pytest.mark.parametrize("every", [64, 128])
+def test_short_sequences_equal_their_views(call, state, every):
+    """Packed sequences of at most one chunk, read and written by element offsets (Tuning's
+    short_sequences, the default), give the numbers of the path that views their rows, bit for
+    bit: o, final states (dense, or pool rows with slot −1 and has_initial_state), checkpoints;
+    beside empty and longer sequences, with grouped value heads."""
+    lens = SHORT_LENS
+    args = random_inputs(1, sum(lens), 2, 128, HV=4, seqlens=lens, seed=15, initial_state=state == "dense",
+                         **CALLS[call])
+    pool = None
+    if state == "pool":
+        pool, _ = padded_pool(12, 4, 128, 128, torch.bfloat16, call == "flashkda")
+        args.update(initial_state=pool, output_final_state=False,
+                    initial_state_indices=torch.tensor([3, -1, 0, 7, 5, 11, 2, 9], device="cuda"),
+                    has_initial_state=torch.arange(len(lens), device="cuda") % 3 != 1)
+    rows = sum(-(-n // every) for n in lens)
+    results = []
+    for short in (True, False):
+        ck = torch.full((1, rows + 1, 4, 128, 128), 7.0, device="cuda")
+        call_args = {**args, "checkpoints": ck, "checkpoint_every": every}
+        if pool is not None:
+            call_args["initial_state"] = pool.clone()
+        plan = make_plan(**call_args, tuning=Tuning(block_v=64, short_sequences=short))
+        assert plan.short_sequences == short
+        o, s = run(plan, **{n: call_args.get(n) for n in RUN_TENSORS})
+        results.append((o, s, ck, call_args["initial_state"]))
+    (o1, s1, ck1, p1), (o0, s0, ck0, p0) = results
+    assert torch.equal(o1, o0) and torch.equal(ck1, ck0) and (s0 is None or torch.equal(s1, s0))
+    assert p0 is None or torch.equal(p1, p0)
+    assert state != "pool" or not torch.equal(p1, pool)
+
+
 def truncated(args, lens, n, stop):
     """Sequence n of a packed call, alone and cut after its first `stop` tokens (B = 1, T = stop)."""
     a = sum(lens[:n])

@@ -13,7 +13,7 @@ import torch
 import cuda.tile as ct
 from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint, export_kernel
 from kda_opt import reference as ref
-from kda_opt.wuso import block_v_for, launch_config, wuso, wuso_kernel
+from kda_opt.wuso import EVERY_SEQUENCE, LONG_ONLY, SHORT_ONLY, block_v_for, launch_config, wuso, wuso_kernel
 from tests.conftest import gpu, rel_err
 from tests.stage_inputs import qk_rstd, stage_inputs
 
@@ -46,7 +46,7 @@ def constraint(arg):
 
 def cubin(dtype, K, has_state, store_state, block_v=None, B=1, T=8192, H=96, seqs=None, l2norm=False,
           state_v_first=False, state_dtype=torch.float32, beta_residual=False, pool=None, checkpoints=None,
-          checkpoint_every=1, transition=False):
+          checkpoint_every=1, transition=False, sequences=0):
     """The launcher's specialisation (launch_config on meta tensors of the default shape),
     compiled for sm_90; block_v None takes the launcher's choice on an H100. seqs: (N, cu_seqlens
     dtype) packs N sequences into the one batch entry (B = 1). l2norm: with stage 2's norms
@@ -77,7 +77,8 @@ def cubin(dtype, K, has_state, store_state, block_v=None, B=1, T=8192, H=96, seq
                             has_initial_state=mask,
                             checkpoints=None if checkpoints is None else meta(B, T // 64 + N, H, K, K, dt=checkpoints),
                             checkpoint_rows=None if checkpoints is None or seqs is None else meta(N, dt=torch.int32),
-                            checkpoint_every=checkpoint_every, transition=transition)
+                            checkpoint_every=checkpoint_every, transition=transition,
+                            sequences=sequences)
     signature = KernelSignature([constraint(a) for a in args], CallingConvention.cutile_python_v2())
     buf = io.BytesIO()
     export_kernel(wuso_kernel, [signature], buf, gpu_code="sm_90", output_format="cubin")
@@ -133,9 +134,8 @@ def test_exports_beta_residual(seqs):
                               state_dtype=torch.bfloat16, beta_residual=True))
 
 
-def resources(binary) -> tuple[int, int]:
-    """(registers, stack frame bytes) per thread of a cubin's kernel, read by the cuobjdump that
-    Triton's NVIDIA backend ships."""
+def cuobjdump(binary, option: str) -> str:
+    """The report of the cuobjdump that Triton's NVIDIA backend ships on a cubin (-res-usage, -sass)."""
     import triton
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.access(tool, os.X_OK):
@@ -143,8 +143,12 @@ def resources(binary) -> tuple[int, int]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(binary)
         f.flush()
-        report = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    found = re.search(r"REG:(\d+) STACK:(\d+)", report)
+        return subprocess.run([tool, option, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def resources(binary) -> tuple[int, int]:
+    """(registers, stack frame bytes) per thread of a cubin's kernel."""
+    found = re.search(r"REG:(\d+) STACK:(\d+)", cuobjdump(binary, "-res-usage"))
     return int(found[1]), int(found[2])
 
 
@@ -178,6 +182,25 @@ def test_checkpoints_cost_no_resources(call):
     without = resources(cubin(torch.bfloat16, 128, True, True,
                               **{k: v for k, v in call.items() if k not in ("checkpoints", "checkpoint_every")}))
     assert with_ck[0] <= without[0] and with_ck[1] <= without[1], (with_ck, without)
+
+
+@pytest.mark.parametrize("call", [
+    dict(seqs=(64, torch.int32)), dict(seqs=(260, torch.int64), l2norm=True, beta_residual=True, state_v_first=True,
+                                       state_dtype=torch.bfloat16, pool=(300, torch.int32, True)),
+    dict(seqs=(64, torch.int32), checkpoints=torch.float32, state_v_first=True, block_v=32)])
+def test_short_sequences_launch_apart(call):
+    """Packed sequences split into two launches (kda_opt/wuso short_sequences): the launch of those
+    longer than a chunk keeps the registers and stack frame of the kernel over every sequence (one
+    launch with both paths, a branch between them, took 255 registers and slowed long packed
+    sequences by 40 %), and the one-chunk launch writes no TMA descriptor per program."""
+    every = resources(cubin(torch.bfloat16, 128, True, True, **call, sequences=EVERY_SEQUENCE))
+    long_only = resources(cubin(torch.bfloat16, 128, True, True, **call, sequences=LONG_ONLY))
+    assert long_only[0] <= every[0] and long_only[1] <= every[1], (long_only, every)
+    short = cubin(torch.bfloat16, 128, True, True, **call, sequences=SHORT_ONLY)
+    assert_kernel_cubin(short)
+    assert resources(short)[0] <= 168, resources(short)
+    descriptors = lambda binary: cuobjdump(binary, "-sass").count("UTMACCTL.IV")
+    assert descriptors(short) == 0 < descriptors(cubin(torch.bfloat16, 128, True, True, **call, sequences=LONG_ONLY))
 
 
 def test_block_v_fills_one_wave():
