@@ -190,7 +190,7 @@ def test_sweep_rows():
     assert len(cases) == 2 * per_gate and {c.gate for c in cases[per_gate:]} == {"softplus"}
     shapes = [(c.B, c.T, c.H) for c in cases[:per_gate] if not c.seqlens and c.config == "default"]
     assert {(1, 8192, 96), (1, 8192, 64), (1, 65536, 16), (1, 2048, 16), (1, 65536, 32)} <= set(shapes)
-    drawn, mix6, mix8, short32, short96, l2norm = cases[per_gate - 6:per_gate]
+    drawn, mix6, mix8, short32, short96, lognormal96, l2norm = cases[per_gate - 7:per_gate]
     assert (drawn.H, len(drawn.seqlens), max(drawn.seqlens) <= 8192) == (32, 64, True)
     assert (mix6.H, mix6.T, mix6.seqlens) == (96, 8192, (1300, 547, 2048, 963, 271, 3063))
     assert (mix8.H, mix8.T, mix8.seqlens) == (96, 8192, (1024,) * 8)
@@ -199,17 +199,20 @@ def test_sweep_rows():
         assert (mix.H, len(short), min(short), mix.T) == (H, count, 1, sum(mix.seqlens))
         assert sorted(mix.seqlens)[count:] == [long] * (len(mix.seqlens) - count) and max(short) == bench.MIN_SEQ_LEN
         assert mix.seqlens != tuple(sorted(mix.seqlens)) and mix.seqlens[-1] != long   # shuffled
+    lens = sorted(lognormal96.seqlens)
+    assert (lognormal96.H, len(lens), lens[0], lens[-1], lognormal96.T) == (96, 400, 1, bench.MIN_SEQ_LEN, sum(lens))
+    assert 10 <= lens[200] <= 14                                                        # median ≈ 12
     assert (l2norm.T, l2norm.H, l2norm.seqlens, l2norm.config) == (8192, 96, None, "l2norm")
     serving = bench.sweep_cases(bench.parse_args(["--sweep-rows", "serving"]))
     shapes = bench.sweep_cases(bench.parse_args(["--sweep-rows", "shapes"]))
-    assert serving == cases[per_gate - 6:per_gate] + cases[-6:]
-    assert shapes == cases[:per_gate - 6] + cases[per_gate:-6]
+    assert serving == cases[per_gate - 7:per_gate] + cases[-7:]
+    assert shapes == cases[:per_gate - 7] + cases[per_gate:-7]
     peers = bench.sweep_cases(bench.parse_args(["--sweep-rows", "peers", "--sweep-gates", "safe"]))
     assert [(c.B, c.T, c.H) for c in peers[:7]] == [(1, 8192, 96), (1, 8192, 64), (8, 4096, 32), (2, 16384, 64),
                                                    (1, 32768, 32), (1, 65536, 16), (1, 2048, 16)]
-    assert peers[7:] == [mix6, mix8, short32, short96] and set(peers[:7]) <= set(cases[:per_gate])
+    assert peers[7:] == [mix6, mix8, short32, short96, lognormal96] and set(peers[:7]) <= set(cases[:per_gate])
     short = bench.sweep_cases(bench.parse_args(["--sweep-rows", "short", "--sweep-gates", "safe"]))
-    assert short == [short32, short96]
+    assert short == [short32, short96, lognormal96]
 
 
 def test_sweep_in_flashkda_configuration():

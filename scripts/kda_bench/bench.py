@@ -41,14 +41,16 @@ CONFIGS = {
 NAIVE_BUDGET = 2 ** 33
 # The sweep, K = V = 128, each row in every gate mode: (B, T, H) of docs/DESIGN.md's sweep; then packed
 # sequences at T ≈ 8192 per sequence: issue 8's mix (NUM_SEQS lengths uniform in [MIN_SEQ_LEN, 8192],
-# seed 0) at H = 32, the peers' two mixes at H = 96, and two mixes of many short sequences (SHORT_MIXES);
+# seed 0) at H = 32, the peers' two mixes at H = 96, and three mixes of many short sequences (SHORT_MIXES);
 # then, in the default configuration, the default shape with q/k l2norm. The peers' rows (PEER_SHAPES,
 # PEER_PACKED) are also a set of their own.
 PEER_SHAPES = [(1, 8192, 96), (1, 8192, 64), (8, 4096, 32), (2, 16384, 64), (1, 32768, 32), (1, 65536, 16),
                (1, 2048, 16)]
 # A server's prefill batch: hundreds of short requests (lengths uniform in [1, MIN_SEQ_LEN]) beside a few
-# long ones, in a seeded random order (short_mix_lengths): ("short", count, long lengths), H.
-SHORT_MIXES = [(("short", 384, (4096, 4096)), 32), (("short", 256, (2048,) * 4), 96)]
+# long ones, in a seeded random order (short_mix_lengths): ("short", count, long lengths), H; and only
+# short ones, lengths drawn lognormal with a median of 12 tokens in [1, MIN_SEQ_LEN] (lognormal_lengths):
+# ("lognormal", count, median), H.
+SHORT_MIXES = [(("short", 384, (4096, 4096)), 32), (("short", 256, (2048,) * 4), 96), (("lognormal", 400, 12), 96)]
 PEER_PACKED = [((1300, 547, 2048, 963, 271, 3063), 96), ((1024,) * 8, 96)] + SHORT_MIXES
 SWEEP_SHAPES = list(dict.fromkeys(PEER_SHAPES + [(1, 1024 * 2 ** i, 32) for i in range(7)]))
 MIN_SEQ_LEN, NUM_SEQS = 64, 64
@@ -189,15 +191,25 @@ def short_mix_lengths(count, long, seed):
     return tuple(lens[i] for i in torch.randperm(len(lens), generator=gen).tolist())
 
 
+def lognormal_lengths(count, median, seed):
+    """count lengths exp(N(ln median, 1)) rounded and clipped to [1, MIN_SEQ_LEN] (seeded)."""
+    gen = torch.Generator().manual_seed(seed)
+    drawn = torch.exp(torch.randn(count, generator=gen, dtype=torch.float64) + math.log(median))
+    return tuple(drawn.round().clamp(1, MIN_SEQ_LEN).long().tolist())
+
+
 def mix_lengths(spec, seed):
     """A packed row's lengths: "drawn" (NUM_SEQS drawn by varlen_lengths up to 8192 with `seed`),
-    ("drawn", max_len, its own seed), ("short", count, long) (short_mix_lengths), or the lengths."""
+    ("drawn", max_len, its own seed), ("short", count, long) (short_mix_lengths), ("lognormal", count,
+    median) (lognormal_lengths), or the lengths."""
     if spec == "drawn":
         return varlen_lengths(NUM_SEQS, 8192, seed)
     if spec[0] == "drawn":
         return varlen_lengths(NUM_SEQS, *spec[1:])
     if spec[0] == "short":
         return short_mix_lengths(*spec[1:], seed)
+    if spec[0] == "lognormal":
+        return lognormal_lengths(*spec[1:], seed)
     return spec
 
 
