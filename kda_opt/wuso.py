@@ -197,18 +197,11 @@ def _one_chunk(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, bos, n, i_h, i_hv
     aqk = _rows(AQK, tok, valid, i_hv, 0, C)
     last = ct.full((1, 1), bos + n - 1, dtype=ct.int64)
     g_last = _rows(G, last, last >= bos, i_hv, 0, K)                           # [1, K]; 0 where n = 0
-    rq = rk = r = None
-    if L2NORM:                                                                   # RSTD [2, 1, H, T]
-        at = i_h * RSTD.strides[2] + tok * RSTD.strides[3]
-        rq = RSTD.get_raw_memory().load_offset(at, mask=valid)
-        rk = RSTD.get_raw_memory().load_offset(at + RSTD.strides[0], mask=valid)
-    if BETA_RESIDUAL:                                                            # RB [1, HV, T]
-        r = RB.get_raw_memory().load_offset(i_hv * RB.strides[1] + tok * RB.strides[2], mask=valid)
     S = ct.zeros((K, BV), dtype=F32)
     if HAS_S0:
         S = _initial_state(S0, s_in, use_s0, i_hv, i_v, K, BV, V_FIRST, S0_CHECKED)
-    o, v_new, k_dec_t, decay = _products(S, q, k, g, v, tm, aqk, g_last, rq, rk, r, scale, dt, L2NORM, BETA_RESIDUAL,
-                                         SPLIT_V)
+    o, v_new, k_dec_t, decay = _products(S, q, k, g, v, tm, aqk, g_last, RSTD, RB, (0, i_h, 0), (0, i_hv, 0), tok,
+                                         valid, scale, dt, C, L2NORM, BETA_RESIDUAL, SPLIT_V, True)
     if not TRANSITION:
         col = ct.arange(BV, dtype=ct.int64).reshape((1, BV))
         at = tok * O.strides[1] + i_hv * O.strides[2] + (i_v * BV + col) * O.strides[3]
@@ -257,14 +250,8 @@ def _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, i_h, i_hv, i
     # Γ_last from its own row: a zero-padded tail row would read as Γ = 0.
     last = min(i_t * C + C, T) - 1
     g_last = ct.load(G, index=(i_b, last, i_hv, 0), shape=(1, 1, 1, K)).reshape((1, K))
-    rq = rk = r = None
-    if L2NORM:
-        rq = ct.load(RSTD, index=(0, i_b, i_h, i_t), shape=(1, 1, 1, C), padding_mode=ZERO).reshape((C, 1))
-        rk = ct.load(RSTD, index=(1, i_b, i_h, i_t), shape=(1, 1, 1, C), padding_mode=ZERO).reshape((C, 1))
-    if BETA_RESIDUAL:
-        r = ct.load(RB, index=(i_b, i_hv, i_t), shape=(1, 1, C), padding_mode=ZERO).reshape((C, 1))
-    o, v_new, k_dec_t, decay = _products(S, q, k, g, v, tm, aqk, g_last, rq, rk, r, scale, dt, L2NORM, BETA_RESIDUAL,
-                                         SPLIT_V)
+    o, v_new, k_dec_t, decay = _products(S, q, k, g, v, tm, aqk, g_last, RSTD, RB, (i_b, i_h, i_t), (i_b, i_hv, i_t),
+                                         None, None, scale, dt, C, L2NORM, BETA_RESIDUAL, SPLIT_V, False)
     if not TRANSITION:
         ct.store(O, index=(i_b, i_t, i_hv, i_v), tile=o.astype(O.dtype).reshape((1, C, 1, BV)))
     if CK_EARLY:
@@ -278,16 +265,27 @@ def _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, i_h, i_hv, i
 
 
 @ct.function
-def _products(S, q, k, g, v, tm, aqk, g_last, rq, rk, r, scale, dt, L2NORM: ConstBool, BETA_RESIDUAL: ConstBool,
-              SPLIT_V: ConstBool):
+def _products(S, q, k, g, v, tm, aqk, g_last, RSTD, RB, at_qk, at_v, tok, valid, scale, dt, C: ConstInt,
+              L2NORM: ConstBool, BETA_RESIDUAL: ConstBool, SPLIT_V: ConstBool, BY_OFFSETS: ConstBool):
     """One chunk's products from S [K, BV] fp32 and its tiles (q, k [C, K]; Γ [C, K]; v [C, BV]; Tm,
-    Aqk [C, C]; Γ_last [1, K]; the norms rq, rk and β's residual r [C, 1] where asked): o [C, BV],
-    V' (dt), (k ⊙ 2^(Γ_last − Γ))ᵀ [K, C] and 2^Γ_last [K, 1], from which S ← decay·S + k_decᵀ V'."""
+    Aqk [C, C]; Γ_last [1, K]): o [C, BV], V' (dt), (k ⊙ 2^(Γ_last − Γ))ᵀ [K, C] and 2^Γ_last [K, 1],
+    from which S ← decay·S + k_decᵀ V'. Where asked, the q/k norms (RSTD [2, B, H, T]) and β's
+    residual (RB [B, HV, T]) are read here, where the chunk uses them (loaded with the other tiles,
+    they cost FlashKDA's call 1.5–3 %): at (b, head, chunk) at_qk and at_v, or with BY_OFFSETS at
+    token rows tok [C, 1] where valid [C, 1] of (0, head, 0)."""
     kf = k.astype(F32)
     qf = q.astype(F32)
     if L2NORM:
         # FLA's l2norm per row (use_qk_l2norm_in_kernel), with stage 2's norms: a row reduction
         # here would sit on the chunk's dependency chain.
+        if BY_OFFSETS:
+            at = at_qk[1] * RSTD.strides[2] + tok * RSTD.strides[3]
+            rq = RSTD.get_raw_memory().load_offset(at, mask=valid)
+            rk = RSTD.get_raw_memory().load_offset(at + RSTD.strides[0], mask=valid)
+        else:
+            b, h, t = at_qk[0], at_qk[1], at_qk[2]
+            rq = ct.load(RSTD, index=(0, b, h, t), shape=(1, 1, 1, C), padding_mode=ZERO).reshape((C, 1))
+            rk = ct.load(RSTD, index=(1, b, h, t), shape=(1, 1, 1, C), padding_mode=ZERO).reshape((C, 1))
         qf = qf * rq
         kf = kf * rk
     # ftz: gates drive 2^Γ into subnormals, which are worth nothing next to the state.
@@ -298,6 +296,10 @@ def _products(S, q, k, g, v, tm, aqk, g_last, rq, rk, r, scale, dt, L2NORM: Cons
     # torch emulation of both orders, bf16 and fp32, agreed to two digits).
     x = ct.mma((kf * -eg).astype(dt), s_op, v.astype(F32))                     # v − (2^Γ ⊙ k) S
     if BETA_RESIDUAL:
+        if BY_OFFSETS:
+            r = RB.get_raw_memory().load_offset(at_v[1] * RB.strides[1] + tok * RB.strides[2], mask=valid)
+        else:
+            r = ct.load(RB, index=at_v, shape=(1, 1, C), padding_mode=ZERO).reshape((C, 1))
         v_f32 = ct.mma(tm.astype(dt), x.astype(dt), r * x)                      # V' [C, BV]
     else:
         v_f32 = ct.mma(tm.astype(dt), x.astype(dt), ct.zeros(x.shape, dtype=F32))
