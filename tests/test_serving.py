@@ -151,7 +151,7 @@ def test_short_sequences_equal_their_views(call, state, every):
         plan = make_plan(**call_args, tuning=Tuning(block_v=64, short_sequences=short))
         assert plan.short_sequences == short
         o, s = run(plan, **{n: call_args.get(n) for n in RUN_TENSORS})
-        results.append((o, s, ck, call_args["initial_state"]))
+        results.append((o, s, ck, call_args.get("initial_state")))
     (o1, s1, ck1, p1), (o0, s0, ck0, p0) = results
     assert torch.equal(o1, o0) and torch.equal(ck1, ck0) and (s0 is None or torch.equal(s1, s0))
     assert p0 is None or torch.equal(p1, p0)
