@@ -4,7 +4,8 @@ decision, into one frozen value that kda_opt/forward runs; each stage takes the 
     plan = make_plan(q, k, v, g, beta, ...)    TypeError / ValueError / RuntimeError naming the
                                                argument, before any kernel runs
     what the options mean                      gate, scale, l2norm, beta_sigmoid, beta_residual, ...
-    how the stages launch                      block_v, segments, parallel, intra_warps, worker_warps
+    how the stages launch                      block_v, segments, parallel, short_sequences, intra_warps,
+                                               worker_warps
 Tuning holds the launch knobs; kda_forward takes its defaults, tests and scripts/bench_stages.py pass
 others. kda_forward makes a call signature's plan once (plan_for): the signature holds everything the
 checks and the plan read (every tensor's shape, strides, dtype, device, requires_grad and 16-byte
