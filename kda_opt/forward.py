@@ -225,9 +225,7 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
                                short_sequences=plan.short_sequences)
     with nvtx.annotate("kda_opt/forward", domain="kda_opt") if ranges else contextlib.nullcontext():
         seqs = launch("seqs", packed, cu_seqlens, plan.T, kernels) if plan.packed else None
-        pool_out = _two_rows(initial_state, 0) if plan.state_pool else None
-        written, checkpoints = checkpoints, _two_rows(checkpoints, 1)
-        final = pool_out if plan.state_pool else _final_state(plan, v) if plan.output_final_state else None
+        final = initial_state if plan.state_pool else _final_state(plan, v) if plan.output_final_state else None
         state = dict(initial_state=initial_state, final_state=final, slots=initial_state_indices,
                      read_slots=plan.state_pool, write_slots=plan.state_pool, has_initial_state=has_initial_state)
         if plan.parallel:
@@ -239,24 +237,7 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
                        cu_seqlens=cu_seqlens, qk_rstd=rstd, beta_residual=r)
         else:
             o = _pipelined(plan, q, k, v, g, beta, state, checkpoints, prepare, stage4)
-        _copy_back(initial_state, pool_out, 0)
-        _copy_back(written, checkpoints, 1)
         return o, None if plan.state_pool else final
-
-
-def _two_rows(buffer, dim: int):
-    """A buffer stage 4 writes, or a two-row copy of it where it has one row along `dim` (then
-    _copy_back). Stage 4 drops a store by pointing it one row past the end (a pool slot of −1, a
-    checkpoint past the buffer), and cuTile compiles an extent of 1 as that constant: such a store
-    then lands in row 0."""
-    return buffer if buffer is None or buffer.shape[dim] != 1 else torch.cat((buffer, buffer), dim)
-
-
-def _copy_back(buffer, stand_in, dim: int):
-    """Row 0 of _two_rows' copy back into `buffer` (nothing where the buffer was written itself; also
-    none where there is no stand-in: no pool)."""
-    if stand_in is not None and stand_in is not buffer:
-        buffer.copy_(stand_in.narrow(dim, 0, 1))
 
 
 def _as_read(plan: Plan, q, k, v, g, beta, initial_state, A_log, dt_bias):
@@ -425,10 +406,8 @@ def _pipelined(plan: Plan, q, k, v, g, beta, state, checkpoints, prepare, stage4
         reads = dict(initial_state=state["initial_state"], has_initial_state=state["has_initial_state"]) if i == 0 \
             else dict(initial_state=handed[(i - 1) % 2])
         rows = None if checkpoints is None else checkpoints[:, t0 // plan.checkpoint_every:]
-        written = _two_rows(rows, 1)
         stage4(part(q), part(k), part(v), gcum, Tm, Aqk, **reads,
                final_state=state["final_state"] if i == last else handed[i % 2], slots=state["slots"],
                read_slots=i == 0 and state["read_slots"], write_slots=i == last and state["write_slots"],
-               checkpoints=written, qk_rstd=rstd, beta_residual=r, out=part(o))
-        _copy_back(rows, written, 1)
+               checkpoints=rows, qk_rstd=rstd, beta_residual=r, out=part(o))
     return o

@@ -426,15 +426,34 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
     kda_opt/forward's parallel segments merge. out: o's storage, a
     [B, T, HV, V] tensor of v's dtype whose rows are contiguous (a slice along T of a B = 1 tensor,
     kda_opt/forward's time segments), or None for a new one. short_sequences (packed): two launches, the
-sequences longer than a chunk and those of at most one chunk (_one_chunk), each skipping the other's.
-worker_warps: the kernel's worker warps."""
+    sequences longer than a chunk and those of at most one chunk (_one_chunk), each skipping the
+    other's. worker_warps: the kernel's worker warps. A written pool or checkpoint buffer of one row
+    is written through a two-row copy (_two_rows)."""
     o = v if transition else torch.empty_like(v) if out is None else out      # (transition: never written)
-    grid, args = launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, final_state, cu_seqlens,
+    pool = _two_rows(final_state, 0) if write_slots else final_state
+    rows = _two_rows(checkpoints, 1)
+    grid, args = launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, pool, cu_seqlens,
                                qk_rstd, state_v_first, beta_residual, slots, read_slots, write_slots,
-                               has_initial_state, checkpoints, checkpoint_rows, checkpoint_every, transition)
+                               has_initial_state, rows, checkpoint_rows, checkpoint_every, transition)
     if short_sequences and cu_seqlens is not None:
         for part in (LONG_ONLY, SHORT_ONLY):
             ct.launch(current_stream(), grid, _kernel(worker_warps), args[:-1] + (part,))
     else:
         ct.launch(current_stream(), grid, _kernel(worker_warps), args)
+    _copy_back(final_state, pool, 0)
+    _copy_back(checkpoints, rows, 1)
     return None if transition else o
+
+
+def _two_rows(buffer, dim: int):
+    """A buffer the kernel writes, or a two-row copy of it where it has one row along `dim` (then
+    _copy_back). The kernel drops a store by pointing it one row past the end (a pool slot outside
+    the pool, a checkpoint past the buffer), and cuTile compiles an extent of 1 as that constant:
+    such a store would land in row 0."""
+    return buffer if buffer is None or buffer.shape[dim] != 1 else torch.cat((buffer, buffer), dim)
+
+
+def _copy_back(buffer, written, dim: int):
+    """Row 0 of _two_rows' copy back into `buffer` (nothing where the buffer was written itself)."""
+    if written is not buffer:
+        buffer.copy_(written.narrow(dim, 0, 1))

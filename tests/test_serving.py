@@ -105,6 +105,32 @@ def test_pool_of_one_slot_written_at_slot_zero(state_v_first):
     assert torch.equal(o, o_ref) and torch.equal(pool, s_ref)
 
 
+SEGMENTED = {"one pass": Tuning(), "time segments": Tuning(segment_tokens=128),
+             "parallel segments": Tuning(parallel=True, parallel_tokens=128)}
+
+
+@gpu
+@pytest.mark.parametrize("how", list(SEGMENTED))
+@pytest.mark.parametrize("slot", [-1, 0])
+def test_pool_of_one_slot_through_segments(how, slot):
+    """A pool of one row, with slot −1 or 0, where a lone sequence runs in time or parallel segments
+    (the pool written by a later launch than the first): left as it was, or holding the final state
+    of the same call with a dense state."""
+    args = random_inputs(1, 600, 2, 128, seed=13, output_final_state=False, state_v_first=True)
+    pool, _ = padded_pool(1, 2, 128, 128, torch.float32, True)
+    before = pool.clone()
+    call = {**args, "initial_state": pool, "initial_state_indices": torch.tensor([slot], device="cuda")}
+    plan = make_plan(**call, tuning=SEGMENTED[how])
+    assert (len(plan.segments) > 1) == (how != "one pass") and plan.parallel == (how == "parallel segments")
+    o = tuned(call, SEGMENTED[how])[0]
+    if slot < 0:
+        assert torch.equal(pool, before)
+        assert torch.equal(o, tuned({**args, "initial_state": None}, SEGMENTED[how])[0])
+    else:
+        o_ref, s_ref = tuned({**args, "initial_state": before.clone(), "output_final_state": True}, SEGMENTED[how])
+        assert torch.equal(o, o_ref) and torch.equal(pool, s_ref)
+
+
 @gpu
 @pytest.mark.parametrize("state_v_first", [False, True])
 @pytest.mark.parametrize("every", [64, 128])
