@@ -43,7 +43,7 @@ from .intra import intra_chunk
 from .launch import Kernels, annotated, direct, nvtx_enabled
 from .options import CHUNK, state_shape
 from .plan import Plan, Tuning, make_plan, plan_for
-from .seqs import block_offsets, packed
+from .seqs import block_offsets, packed, phased
 from .wuso import wuso
 
 
@@ -75,6 +75,7 @@ def kda_forward(
     has_initial_state: torch.Tensor | None = None,
     checkpoints: torch.Tensor | None = None,
     checkpoint_every: int = CHUNK,
+    checkpoint_offsets: torch.Tensor | None = None,
 ):
     r"""Forward pass of Kimi Delta Attention; the same function as FLA 0.6.0 ``chunk_kda``.
 
@@ -161,6 +162,19 @@ def kda_forward(
             (the last row: its final state), packed ones from row ``Σ_{m<n} cdiv(len_m,
             checkpoint_every)``; ``NT = cdiv(T, checkpoint_every) + N − 1`` suffices. For prefix
             caching at cache-block boundaries (vLLM's block size) without a state per chunk.
+        checkpoint_offsets: ``[N]`` int32/int64 on q's device (packed sequences, with
+            ``checkpoints``): sequence n's first checkpoint after its first ``f_n =
+            checkpoint_offsets[n]`` tokens (``1 ≤ f_n ≤ checkpoint_every``; values outside are
+            clamped, not checked), the next ones every ``checkpoint_every`` tokens after it: row j is
+            its state after ``min(f_n + checkpoint_every·j, len_n)`` tokens, for ``j < 1 +
+            cdiv(max(len_n − f_n, 0), checkpoint_every)`` (the last row: its final state), packed
+            ones from row ``Σ_{m<n}`` of those counts (0 for an empty sequence); ``NT = cdiv(T,
+            checkpoint_every) + 2N`` suffices. For prefix caching at cache-block boundaries when a
+            sequence's computed prefix does not end on one (``f_n = block − computed_n mod
+            block``). The sequence's chunks then start after its first ``f_n mod 64`` tokens, which
+            are taken as a chunk of their own, so that every checkpoint ends a chunk: each row is
+            bit for bit the final state of the same call that stops there, and o is the same
+            function at the same accuracy (not bit for bit that of a call without it).
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state as above, or None (also
@@ -188,7 +202,7 @@ def kda_forward(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
             use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias, safe_gate,
             lower_bound, state_v_first, cu_seqlens, chunk_size, transpose_state_layout, initial_state_indices,
-            has_initial_state, checkpoints, checkpoint_every)
+            has_initial_state, checkpoints, checkpoint_every, checkpoint_offsets)
         return o, final if output_final_state else None
     plan, kernels = plan_for(dict(
         q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
@@ -198,18 +212,19 @@ def kda_forward(
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size,
         transpose_state_layout=transpose_state_layout, initial_state_indices=initial_state_indices,
         initial_state_indices_cpu=initial_state_indices_cpu, has_initial_state=has_initial_state,
-        checkpoints=checkpoints, checkpoint_every=checkpoint_every))
+        checkpoints=checkpoints, checkpoint_every=checkpoint_every, checkpoint_offsets=checkpoint_offsets))
     return run(plan, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, initial_state_indices,
-               has_initial_state, checkpoints, kernels=kernels)
+               has_initial_state, checkpoints, checkpoint_offsets, kernels=kernels)
 
 
 # run's tensor arguments, by kda_forward's names: run(plan, **{n: arguments.get(n) for n in RUN_TENSORS}).
 RUN_TENSORS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens",
-               "initial_state_indices", "has_initial_state", "checkpoints")
+               "initial_state_indices", "has_initial_state", "checkpoints", "checkpoint_offsets")
 
 
 def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=None, cu_seqlens=None,
-        initial_state_indices=None, has_initial_state=None, checkpoints=None, *, launch=None, kernels: Kernels | None = None):
+        initial_state_indices=None, has_initial_state=None, checkpoints=None, checkpoint_offsets=None, *, launch=None,
+        kernels: Kernels | None = None):
     """The forward of a plan made from these inputs (make_plan): (o, final state or None).
     launch(name, launcher, *args, **kwargs) runs each stage's launcher (names: seqs, gate, intra,
     wuso; None: directly, or inside an NVTX range where KDA_OPT_NVTX asks for them, kda_opt/launch);
@@ -224,7 +239,11 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
                                checkpoint_every=plan.checkpoint_every // CHUNK,
                                short_sequences=plan.short_sequences)
     with nvtx.annotate("kda_opt/forward", domain="kda_opt") if ranges else contextlib.nullcontext():
-        seqs = launch("seqs", packed, cu_seqlens, plan.T, kernels) if plan.packed else None
+        seqs = rows = None
+        if plan.checkpoint_offsets:
+            seqs, rows = launch("seqs", phased, cu_seqlens, checkpoint_offsets, plan.T, plan.checkpoint_every, kernels)
+        elif plan.packed:
+            seqs = launch("seqs", packed, cu_seqlens, plan.T, kernels)
         final = initial_state if plan.state_pool else _final_state(plan, v) if plan.output_final_state else None
         state = dict(initial_state=initial_state, final_state=final, slots=initial_state_indices,
                      read_slots=plan.state_pool, write_slots=plan.state_pool, has_initial_state=has_initial_state)
@@ -233,8 +252,8 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
         elif len(plan.segments) == 1:
             gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, seqs)
             o = stage4(q, k, v, gcum, Tm, Aqk, **state, checkpoints=checkpoints,
-                       checkpoint_rows=_checkpoint_rows(plan, checkpoints, seqs, kernels),
-                       cu_seqlens=cu_seqlens, qk_rstd=rstd, beta_residual=r)
+                       checkpoint_rows=rows if rows is not None else _checkpoint_rows(plan, checkpoints, seqs, kernels),
+                       checkpoint_first=checkpoint_offsets, cu_seqlens=cu_seqlens, qk_rstd=rstd, beta_residual=r)
         else:
             o = _pipelined(plan, q, k, v, g, beta, state, checkpoints, prepare, stage4)
         return o, None if plan.state_pool else final

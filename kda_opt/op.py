@@ -26,6 +26,7 @@ def _forward(
     lower_bound: float | None, state_v_first: bool, cu_seqlens: torch.Tensor | None, chunk_size: int,
     transpose_state_layout: bool | None, initial_state_indices: torch.Tensor | None,
     has_initial_state: torch.Tensor | None, checkpoints: torch.Tensor | None, checkpoint_every: int,
+    checkpoint_offsets: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     o, final = kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
@@ -34,7 +35,7 @@ def _forward(
                            state_v_first=state_v_first, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
                            transpose_state_layout=transpose_state_layout, initial_state_indices=initial_state_indices,
                            has_initial_state=has_initial_state, checkpoints=checkpoints,
-                           checkpoint_every=checkpoint_every)
+                           checkpoint_every=checkpoint_every, checkpoint_offsets=checkpoint_offsets)
     # An op returns tensors only, and none that aliases an input: no final state is an empty one.
     return o, v.new_empty(0, dtype=torch.float32) if final is None else final
 
@@ -42,7 +43,7 @@ def _forward(
 def _fake(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
           use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias, safe_gate, lower_bound, state_v_first,
           cu_seqlens, chunk_size, transpose_state_layout, initial_state_indices, has_initial_state, checkpoints,
-          checkpoint_every):
+          checkpoint_every, checkpoint_offsets):
     B, _, HV, V = v.shape
     K = q.shape[-1]
     N = num_sequences(B, cu_seqlens)

@@ -79,6 +79,7 @@ class Plan:
     copied: tuple[str, ...]       # of q, k, v, beta: those read as contiguous copies (their token rows
                                   # not readable through their strides, _rows_readable)
     checkpoint_every: int         # tokens between checkpoints (a multiple of CHUNK)
+    checkpoint_offsets: bool      # packed: each sequence's first checkpoint where checkpoint_offsets says
     block_v: int                  # stage 4's V columns per program
     segments: tuple[tuple[int, int], ...]  # token ranges: time segments, or parallel segments
     parallel: bool                # the segments run at once (parallel_segments), not one after another
@@ -92,7 +93,8 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
               allow_neg_eigval=False, A_log=None, dt_bias=None, safe_gate=False, lower_bound=None,
               state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_size=CHUNK,
               transpose_state_layout=None, initial_state_indices=None, initial_state_indices_cpu=None,
-              has_initial_state=None, checkpoints=None, checkpoint_every=CHUNK, tuning: Tuning = Tuning()) -> Plan:
+              has_initial_state=None, checkpoints=None, checkpoint_every=CHUNK, checkpoint_offsets=None,
+              tuning: Tuning = Tuning()) -> Plan:
     """kda_forward's arguments (its docstring says what each means) checked and resolved into a Plan."""
     if transpose_state_layout is not None:
         if state_v_first:
@@ -107,12 +109,13 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                   state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                   chunk_size=chunk_size)
     _validate_serving(q, v, N, initial_state, output_final_state, initial_state_indices, initial_state_indices_cpu,
-                      has_initial_state, checkpoints, checkpoint_every, state_v_first, cu_seqlens)
+                      has_initial_state, checkpoints, checkpoint_every, checkpoint_offsets, state_v_first, cu_seqlens)
     check_host_copies(q.shape[1], cu_seqlens_cpu, initial_state_indices_cpu, initial_state, checkpoints,
                       checkpoint_every)
     _validate_devices(q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias,
                       cu_seqlens=cu_seqlens, initial_state_indices=initial_state_indices,
-                      has_initial_state=has_initial_state, checkpoints=checkpoints)
+                      has_initial_state=has_initial_state, checkpoints=checkpoints,
+                      checkpoint_offsets=checkpoint_offsets)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
@@ -135,11 +138,12 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         state_v_first=state_v_first, packed=cu_seqlens is not None,
         copied=tuple(n for n, x in (("q", q), ("k", k), ("v", v), ("beta", beta)) if not _rows_readable(x)),
         block_v=block_v,
-        checkpoint_every=checkpoint_every,
+        checkpoint_every=checkpoint_every, checkpoint_offsets=checkpoint_offsets is not None,
         segments=parallel or time_segments(T, N, N * HV * (V // block_v), sms, cu_seqlens is not None,
                                            tuning.segment_tokens, tuning.max_segments, align),
         parallel=parallel is not None,
-        short_sequences=cu_seqlens is not None and tuning.short_sequences,
+        # (With checkpoint offsets a sequence of one chunk may be cut in two: stage 4's own launches.)
+        short_sequences=cu_seqlens is not None and tuning.short_sequences and checkpoint_offsets is None,
         intra_warps=tuning.intra_warps or warps_for(q.dtype), worker_warps=tuning.worker_warps,
     )
 
@@ -150,7 +154,8 @@ _plans: dict[tuple, tuple[Plan, Kernels]] = {}
 # kda_forward's tensor arguments: in a signature by their metadata. Every other argument is an option,
 # in a signature by its value (bool, int, float or None; any other type is planned on every call).
 TENSOR_ARGUMENTS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens", "cu_seqlens_cpu",
-                    "initial_state_indices", "initial_state_indices_cpu", "has_initial_state", "checkpoints")
+                    "initial_state_indices", "initial_state_indices_cpu", "has_initial_state", "checkpoints",
+                    "checkpoint_offsets")
 OPTION_ARGUMENTS = ("scale", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
                     "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate", "lower_bound", "state_v_first",
                     "chunk_size", "checkpoint_every")
@@ -349,7 +354,7 @@ def _validate_devices(q, **tensors):
 
 
 def _validate_serving(q, v, N, initial_state, output_final_state, indices, indices_cpu, has_initial_state,
-                      checkpoints, checkpoint_every, state_v_first, cu_seqlens):
+                      checkpoints, checkpoint_every, checkpoint_offsets, state_v_first, cu_seqlens):
     """Checks the state pool (initial_state with initial_state_indices), has_initial_state and the
     checkpoint buffer, as a serving engine passes them (kda_forward's docstring)."""
     B, T, _, K = q.shape
@@ -408,6 +413,14 @@ def _validate_serving(q, v, N, initial_state, output_final_state, indices, indic
                 or cu_seqlens is None and checkpoints.shape[1] < need):
             raise _checkpoints_shape_error(checkpoints, f"Σ cdiv(len_n, {every})" if cu_seqlens is not None
                                            else f"{need}", every, B, row)
+    if checkpoint_offsets is not None:
+        if checkpoints is None or cu_seqlens is None:
+            raise ValueError("checkpoint_offsets places each packed sequence's first checkpoint: it needs "
+                             "checkpoints and cu_seqlens")
+        _check_integers("checkpoint_offsets", checkpoint_offsets)
+        if tuple(checkpoint_offsets.shape) != (N,):
+            raise ValueError(f"checkpoint_offsets must have shape [{N}] (one per sequence), got "
+                             f"{list(checkpoint_offsets.shape)}")
 
 
 def _checkpoints_shape_error(checkpoints, rows: str, every: int, B=None, row=None) -> ValueError:

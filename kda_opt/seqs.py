@@ -58,6 +58,22 @@ def packed(cu_seqlens: torch.Tensor, T: int, kernels: Kernels | None = None) -> 
     return Seqs(chunk_slots=slots, cu_seqlens=cu_seqlens, chunk_indices=indices, chunk_offsets=offsets)
 
 
+def phased(cu_seqlens: torch.Tensor, first: torch.Tensor, T: int, every: int,
+           kernels: Kernels | None = None) -> tuple[Seqs, torch.Tensor]:
+    """Packed sequences whose first checkpoint falls after their first first[n] tokens (clamped to
+    1 .. every) and the next ones every `every` tokens (a multiple of C): the layout stages 1–3 run
+    over, each sequence cut after its head (its first first[n] mod C tokens) so that its chunks end
+    at the checkpoints (kda_opt/wuso, PHASED), and each sequence's first checkpoint row [N + 1]
+    int32, Σ_{m<n} rows_m with rows_m = 1 + cdiv(max(len_m − first[m], 0), every) (0 where empty).
+    Device ops only, no host sync."""
+    bos, lens = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
+    f = first.to(cu_seqlens.dtype).clamp(1, every)
+    cuts = torch.stack((bos, bos + torch.minimum(f % CHUNK, lens)), dim=1).flatten()
+    rows = torch.where(lens > 0, 1 + torch.div((lens - f).clamp_min(0) + every - 1, every, rounding_mode="floor"), 0)
+    offsets = torch.cat((rows.new_zeros(1), rows.cumsum(0))).to(torch.int32)
+    return packed(torch.cat((cuts, cu_seqlens[-1:])), T, kernels), offsets
+
+
 def block_offsets(cu_seqlens: torch.Tensor, T: int, size: int, kernels: Kernels | None = None) -> torch.Tensor:
     """[N + 1] int32 on the device: Σ_{m<n} cdiv(len_m, size) for n = 0 .. N, the first row of each
     packed sequence in a table with a row per `size` tokens of each (chunks: size = CHUNK)."""

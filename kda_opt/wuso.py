@@ -26,7 +26,7 @@ import cuda.tile as ct
 import torch
 
 from .launch import current_stream
-from .options import CHUNK
+from .options import CHUNK, state_shape
 from .seqs import num_sequences
 
 ConstInt = ct.Constant[int]
@@ -42,8 +42,9 @@ F32 = ct.float32
 # spills 72–400 B (sm_90 cubins from tileiras 13.4 and 13.5).
 BLOCK_V_CHOICES = (32, 64, 128)
 # Which packed sequences one launch computes (the kernel's SHORT): all of them through _sequence, or
-# those longer than a chunk through it, or those of at most one chunk through _one_chunk.
-EVERY_SEQUENCE, LONG_ONLY, SHORT_ONLY = 0, 1, 2
+# those longer than a chunk through it, or those of at most one chunk through _one_chunk; or HEADS,
+# each sequence's head through _one_chunk (checkpoints at given offsets: _sequence, PHASED).
+EVERY_SEQUENCE, LONG_ONLY, SHORT_ONLY, HEADS = 0, 1, 2, 3
 WORKER_WARPS = 8
 
 
@@ -51,11 +52,11 @@ WORKER_WARPS = 8
 # (fla/ops/kda/wy_fast.py), chunk_gated_delta_rule_fwd_h (fla/ops/common/chunk_delta_h.py) and
 # chunk_gla_fwd_o_gk (fla/ops/gla/chunk.py); S never leaves the chip and W, U never exist.
 @ct.kernel(num_worker_warps=WORKER_WARPS)
-def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, SLOTS, MASK, CK, CK_ROW0, scale: float,
+def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, SLOTS, MASK, CK, CK_ROW0, CK_FIRST, scale: float,
                 K: ConstInt, BV: ConstInt, C: ConstInt, HAS_S0: ConstBool, STORE_SF: ConstBool,
                 SPLIT_V: ConstBool, PACKED: ConstBool, L2NORM: ConstBool, V_FIRST: ConstBool,
                 BETA_RESIDUAL: ConstBool, READ_SLOTS: ConstBool, WRITE_SLOTS: ConstBool, HAS_MASK: ConstBool,
-                STORE_CK: ConstBool, CK_EVERY: ConstInt, TRANSITION: ConstBool, SHORT: ConstInt):
+                STORE_CK: ConstBool, CK_EVERY: ConstInt, TRANSITION: ConstBool, PHASED: ConstBool, SHORT: ConstInt):
     i_v, i_nh = ct.bid(0), ct.bid(1)
     H, HV = Q.shape[2], Vx.shape[2]
     i_n, i_hv = i_nh // HV, i_nh % HV                         # sequence, value head
@@ -92,25 +93,49 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, SLOTS, MASK, CK,
             _one_chunk(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, bos, eos - bos, i_h, i_hv, i_v, scale, s_in,
                        s_out, use_s0, ck_row, K, BV, C, HAS_S0, STORE_SF, SPLIT_V, L2NORM, V_FIRST, BETA_RESIDUAL,
                        READ_SLOTS or HAS_MASK, STORE_CK, CK_EVERY, TRANSITION)
+    elif SHORT == HEADS:
+        # The f mod C tokens before the chunks of a PHASED sequence, from its initial state; the
+        # state after them into SF (the next launch's S0), and a first checkpoint that falls there
+        # (f < C, or the sequence ends in its head).
+        first = _first_checkpoint(CK_FIRST, i_n, CK_EVERY, C)
+        head = min(first % C, eos - bos)
+        ck_row = ct.where((head > 0) & ((first < C) | (head == eos - bos)), ck_row, CK.shape[1])
+        _one_chunk(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, bos, head, i_h, i_hv, i_v, scale, s_in, s_out,
+                   use_s0, ck_row, K, BV, C, HAS_S0, STORE_SF, SPLIT_V, L2NORM, V_FIRST, BETA_RESIDUAL,
+                   READ_SLOTS or HAS_MASK, STORE_CK, CK_EVERY, TRANSITION)
     elif SHORT == LONG_ONLY:
         if eos - bos > C:
-            _sequence(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, bos, eos, i_n, i_h, i_hv, i_v, scale, s_in,
-                      s_out, use_s0, ck_b, ck_row, K, BV, C, HAS_S0, STORE_SF, SPLIT_V, PACKED, L2NORM, V_FIRST,
-                      BETA_RESIDUAL, READ_SLOTS or HAS_MASK, STORE_CK, CK_EVERY, TRANSITION)
+            _sequence(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, CK_FIRST, bos, eos, i_n, i_h, i_hv, i_v, scale,
+                      s_in, s_out, use_s0, ck_b, ck_row, K, BV, C, HAS_S0, STORE_SF, SPLIT_V, PACKED, L2NORM,
+                      V_FIRST, BETA_RESIDUAL, READ_SLOTS or HAS_MASK, STORE_CK, CK_EVERY, TRANSITION, PHASED)
     else:
-        _sequence(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, bos, eos, i_n, i_h, i_hv, i_v, scale, s_in, s_out,
-                  use_s0, ck_b, ck_row, K, BV, C, HAS_S0, STORE_SF, SPLIT_V, PACKED, L2NORM, V_FIRST, BETA_RESIDUAL,
-                  READ_SLOTS or HAS_MASK, STORE_CK, CK_EVERY, TRANSITION)
+        _sequence(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, CK_FIRST, bos, eos, i_n, i_h, i_hv, i_v, scale, s_in,
+                  s_out, use_s0, ck_b, ck_row, K, BV, C, HAS_S0, STORE_SF, SPLIT_V, PACKED, L2NORM, V_FIRST,
+                  BETA_RESIDUAL, READ_SLOTS or HAS_MASK, STORE_CK, CK_EVERY, TRANSITION, PHASED)
 
 
 @ct.function
-def _sequence(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, bos, eos, i_n, i_h, i_hv, i_v, scale, s_in, s_out,
-              use_s0, ck_b, ck_row, K: ConstInt, BV: ConstInt, C: ConstInt, HAS_S0: ConstBool, STORE_SF: ConstBool,
-              SPLIT_V: ConstBool, PACKED: ConstBool, L2NORM: ConstBool, V_FIRST: ConstBool, BETA_RESIDUAL: ConstBool,
-              S0_CHECKED: ConstBool, STORE_CK: ConstBool, CK_EVERY: ConstInt, TRANSITION: ConstBool):
+def _sequence(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, CK_FIRST, bos, eos, i_n, i_h, i_hv, i_v, scale,
+              s_in, s_out, use_s0, ck_b, ck_row, K: ConstInt, BV: ConstInt, C: ConstInt, HAS_S0: ConstBool,
+              STORE_SF: ConstBool, SPLIT_V: ConstBool, PACKED: ConstBool, L2NORM: ConstBool, V_FIRST: ConstBool,
+              BETA_RESIDUAL: ConstBool, S0_CHECKED: ConstBool, STORE_CK: ConstBool, CK_EVERY: ConstInt,
+              TRANSITION: ConstBool, PHASED: ConstBool):
     """One program's sequence chunk after chunk (the kernel's arguments, resolved): o, checkpoints
-    and the final state stored."""
+    and the final state stored. PHASED (packed, with checkpoints): the sequence's first checkpoint
+    falls after its first CK_FIRST[i_n] = f tokens (1 ≤ f ≤ E·C, E = CK_EVERY), the next ones every
+    E·C tokens after it; its chunks are then cut from token f mod C on, the f mod C tokens before
+    them (its head) taken first as a chunk of their own by the launch before (HEADS, whose states
+    after the heads are then S0; stages 1–3 cut them so too: kda_opt/seqs.phased), so that every
+    checkpoint falls at the end of a chunk. (The head computed here, before the loop or in its first
+    iteration, took the compiler off the warp-specialised schedule: 255 registers, spills.)"""
     i_b = i_n
+    ck_shift = 0                          # PHASED: chunks the checkpoint count runs ahead (_checkpoint_row)
+    if PHASED:
+        # The head (its first f mod C tokens) was the launch before's (HEADS), which left the
+        # state after it in S0; the chunks start after it.
+        first = _first_checkpoint(CK_FIRST, i_n, CK_EVERY, C)
+        bos = bos + min(first % C, eos - bos)
+        ck_shift = CK_EVERY - first // C
     if PACKED:
         # Every [1, T, ...] array viewed through the sequence's rows, so that chunks start at its
         # first token and the zero padding of a tail chunk stops at its end.
@@ -143,7 +168,9 @@ def _sequence(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, bos, eos, i_n, i_h
     # a branch around it took the compiler off its schedule at the widest V block; at the narrowest
     # the intervals cost more than the dropped stores, and with K-first or 16-bit buffers they spill:
     # docs/DESIGN.md.)
-    intervals = STORE_CK and CK_EVERY > 1 and BV > BLOCK_V_CHOICES[0] and V_FIRST and CK.dtype == F32
+    # (PHASED: the one loop. Intervals shifted to end at its checkpoints, the first one empty where the
+    # first checkpoint falls in the head, hung the GPU in the tests.)
+    intervals = STORE_CK and CK_EVERY > 1 and BV > BLOCK_V_CHOICES[0] and V_FIRST and CK.dtype == F32 and not PHASED
     ck_early, ck_late = STORE_CK and ck_early and not intervals, STORE_CK and not ck_early and not intervals
     # S0 joins S inside the first iteration, not before the loop: loaded there, its tile gave the
     # loop-carried S another layout, and the compiler then dropped the warp-specialised pipeline
@@ -156,17 +183,19 @@ def _sequence(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, bos, eos, i_n, i_h
             for i_in in range(min(CK_EVERY, chunks - i_blk * CK_EVERY)):
                 i_t = i_blk * CK_EVERY + i_in
                 S = _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, i_h, i_hv, i_v, T, chunks, scale,
-                           s_in, use_s0, ck_b, ck_row, K, BV, C, HAS_S0, SPLIT_V, L2NORM, V_FIRST, BETA_RESIDUAL,
-                           S0_CHECKED, False, False, CK_EVERY, TRANSITION)
+                           s_in, use_s0, ck_b, ck_row, ck_shift, K, BV, C, HAS_S0, SPLIT_V, L2NORM, V_FIRST,
+                           BETA_RESIDUAL, S0_CHECKED, False, False, CK_EVERY, TRANSITION)
             _checkpoint(CK, S, ck_b, ck_row + i_blk, i_hv, i_v, K, BV, V_FIRST)
     else:
         for i_t in range(chunks):
             S = _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, i_h, i_hv, i_v, T, chunks, scale, s_in,
-                       use_s0, ck_b, ck_row, K, BV, C, HAS_S0, SPLIT_V, L2NORM, V_FIRST, BETA_RESIDUAL,
-                       S0_CHECKED, ck_early, ck_late, CK_EVERY, TRANSITION)
+                       use_s0, ck_b, ck_row, ck_shift, K, BV, C, HAS_S0, SPLIT_V, L2NORM, V_FIRST,
+                       BETA_RESIDUAL, S0_CHECKED, ck_early, ck_late, CK_EVERY, TRANSITION)
     if ck_early:                                              # the last chunk's (none if T = 0)
-        _checkpoint(CK, S, ck_b, _checkpoint_row(chunks, chunks, ck_row, CK.shape[1], CK_EVERY), i_hv, i_v, K, BV,
-                    V_FIRST)
+        last = _checkpoint_row(chunks + ck_shift, chunks + ck_shift, ck_row, CK.shape[1], CK_EVERY)
+        if PHASED:                                            # (ended in its head: the heads launch's)
+            last = ct.where(chunks > 0, last, CK.shape[1])
+        _checkpoint(CK, S, ck_b, last, i_hv, i_v, K, BV, V_FIRST)
     if HAS_S0:
         if T == 0:                                            # an empty packed sequence keeps its state
             S = _initial_state(S0, s_in, use_s0, i_hv, i_v, K, BV, V_FIRST, S0_CHECKED)
@@ -227,9 +256,9 @@ def _rows(A, tok, valid, head, col0, W: ConstInt):
 
 @ct.function
 def _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, i_h, i_hv, i_v, T, chunks, scale, s_in, use_s0,
-           ck_b, ck_row, K: ConstInt, BV: ConstInt, C: ConstInt, HAS_S0: ConstBool, SPLIT_V: ConstBool,
-           L2NORM: ConstBool, V_FIRST: ConstBool, BETA_RESIDUAL: ConstBool, S0_CHECKED: ConstBool, CK_EARLY: ConstBool,
-           CK_LATE: ConstBool, CK_EVERY: ConstInt, TRANSITION: ConstBool):
+           ck_b, ck_row, ck_shift, K: ConstInt, BV: ConstInt, C: ConstInt, HAS_S0: ConstBool,
+           SPLIT_V: ConstBool, L2NORM: ConstBool, V_FIRST: ConstBool, BETA_RESIDUAL: ConstBool, S0_CHECKED: ConstBool,
+           CK_EARLY: ConstBool, CK_LATE: ConstBool, CK_EVERY: ConstInt, TRANSITION: ConstBool):
     """Chunk i_t of one program (the kernel's loop body): S after it, o stored; with CK_EARLY the state
     entering it, with CK_LATE the state after it, stored as a checkpoint where one falls. TRANSITION:
     v taken as zero and no o (the columns of S are the transition's, module docstring)."""
@@ -255,11 +284,12 @@ def _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, i_h, i_hv, i
     if not TRANSITION:
         ct.store(O, index=(i_b, i_t, i_hv, i_v), tile=o.astype(O.dtype).reshape((1, C, 1, BV)))
     if CK_EARLY:
-        _checkpoint(CK, S, ck_b, _checkpoint_row(i_t, chunks, ck_row, CK.shape[1], CK_EVERY), i_hv, i_v, K, BV,
+        _checkpoint(CK, S, ck_b, _checkpoint_row(i_t + ck_shift, chunks + ck_shift, ck_row, CK.shape[1], CK_EVERY), i_hv, i_v, K, BV,
                     V_FIRST)
     S = ct.mma(k_dec_t.astype(dt), v_new, S * decay)                            # [K, BV]
     if CK_LATE:
-        _checkpoint(CK, S, ck_b, _checkpoint_row(i_t + 1, chunks, ck_row, CK.shape[1], CK_EVERY), i_hv, i_v, K,
+        _checkpoint(CK, S, ck_b, _checkpoint_row(i_t + 1 + ck_shift, chunks + ck_shift, ck_row, CK.shape[1],
+                                                     CK_EVERY), i_hv, i_v, K,
                     BV, V_FIRST)
     return S
 
@@ -330,6 +360,12 @@ def _initial_state(S0, row, use, i_hv, i_v, K: ConstInt, BV: ConstInt, V_FIRST: 
 
 
 @ct.function
+def _first_checkpoint(CK_FIRST, i_n, EVERY: ConstInt, C: ConstInt):
+    """f: sequence i_n's tokens before its first checkpoint (PHASED), clamped to 1 .. EVERY·C."""
+    return min(max(ct.load(CK_FIRST, index=(i_n,), shape=(1,)).astype(ct.int32).item(), 1), EVERY * C)
+
+
+@ct.function
 def _checkpoint_row(done, chunks, first, rows, EVERY: ConstInt):
     """The checkpoint row of a sequence's state after `done` of its `chunks` chunks: first + cdiv(done,
     EVERY) − 1 where done is a positive multiple of EVERY or the last chunk, else `rows` (past the
@@ -383,27 +419,28 @@ def _kernel(worker_warps: int):
 def launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, final_state, cu_seqlens=None,
                   qk_rstd=None, state_v_first=False, beta_residual=None, slots=None, read_slots=False,
                   write_slots=False, has_initial_state=None, checkpoints=None, checkpoint_rows=None,
-                  checkpoint_every=1, transition=False, sequences=EVERY_SEQUENCE):
+                  checkpoint_every=1, transition=False, sequences=EVERY_SEQUENCE, checkpoint_first=None):
     """(grid, kernel arguments) of one launch: the one place both the launcher and the export test
     (tests/test_wuso.py, on meta tensors) take the kernel's specialisation from. sequences: which
-    packed sequences the launch computes (EVERY_SEQUENCE, LONG_ONLY, SHORT_ONLY)."""
+    packed sequences, or what of them, the launch computes (EVERY_SEQUENCE, LONG_ONLY, SHORT_ONLY,
+    HEADS). checkpoint_first: as wuso's (PHASED)."""
     B, _, HV, V = v.shape
     given = lambda x, ndim, dtype=torch.float32: _stand_in(v.device, ndim, dtype) if x is None else x
     args = (q, k, v, gcum, Tm, Aqk, given(beta_residual, 3), given(qk_rstd, 4), given(initial_state, 4), o,
             given(final_state, 4), given(cu_seqlens, 1, torch.int32), given(slots, 1, torch.int32),
             given(has_initial_state, 1, torch.bool), given(checkpoints, 5), given(checkpoint_rows, 1, torch.int32),
-            float(scale),
+            given(checkpoint_first, 1, torch.int32), float(scale),
             q.shape[-1], block_v, CHUNK, initial_state is not None, final_state is not None,
             q.dtype == torch.bfloat16, cu_seqlens is not None, qk_rstd is not None, state_v_first,
             beta_residual is not None, read_slots, write_slots, has_initial_state is not None, checkpoints is not None,
-            checkpoint_every, transition, sequences)
+            checkpoint_every, transition, checkpoint_first is not None, sequences)
     columns = q.shape[-1] if transition else V                # the transition's state is [K, K]
     return (columns // block_v, num_sequences(B, cu_seqlens) * HV, 1), args
 
 
 def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=None, final_state=None,
          slots=None, read_slots: bool = False, write_slots: bool = False, has_initial_state=None, checkpoints=None,
-         checkpoint_rows=None, checkpoint_every: int = 1, cu_seqlens=None, qk_rstd=None, state_v_first: bool = False,
+         checkpoint_rows=None, checkpoint_every: int = 1, checkpoint_first=None, cu_seqlens=None, qk_rstd=None, state_v_first: bool = False,
          beta_residual=None, transition: bool = False, short_sequences: bool = False, out=None,
          worker_warps: int = WORKER_WARPS):
     """Stage 4 on the current stream: o [B, T, HV, V] (v's dtype), returned; the final states written
@@ -418,7 +455,11 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
     chunks and after the last: checkpoint j of sequence n (its state after min((j + 1)·E, its chunks)
     chunks, E = checkpoint_every) at [n, j], or packed (B = 1) at [0, checkpoint_rows[n] + j]
     (checkpoint_rows [N] int32: Σ_{m<n} cdiv(len_m, 64·E), kda_opt/seqs); rows past NT are not
-    written. block_v: V columns per
+    written. checkpoint_first (packed, with checkpoints): [N] int32/int64, sequence n's first
+    checkpoint after its first f_n tokens (1 ≤ f_n ≤ 64·E, clamped), then every 64·E tokens and
+    after its last; its chunks then start at token f_n mod 64, the tokens before taken as a chunk
+    of their own, as stages 1–3 must have cut them (_sequence); checkpoint_rows then counts
+    1 + cdiv(max(len_m − f_m, 0), 64·E) rows per non-empty sequence. block_v: V columns per
     program (block_v_for's choice, made by kda_opt/plan). qk_rstd: stage 2's [2, B, H, T] fp32 norms
     (l2norm). beta_residual: stage 2's r [B, HV, T] fp32 (module docstring). transition: v taken as
     zero over K state columns, no o (returns None): from initial states I [N, HV, K, K] the final
@@ -434,8 +475,22 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
     rows = _two_rows(checkpoints, 1)
     grid, args = launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, pool, cu_seqlens,
                                qk_rstd, state_v_first, beta_residual, slots, read_slots, write_slots,
-                               has_initial_state, rows, checkpoint_rows, checkpoint_every, transition)
-    if short_sequences and cu_seqlens is not None:
+                               has_initial_state, rows, checkpoint_rows, checkpoint_every, transition,
+                               checkpoint_first=checkpoint_first)
+    if checkpoint_first is not None:
+        # The heads from the initial states into `heads`, then the chunks from there (_sequence).
+        B, _, HV, V = v.shape
+        heads = v.new_empty(state_shape(num_sequences(B, cu_seqlens), HV, q.shape[-1], V, state_v_first),
+                            dtype=torch.float32)
+        _, first = launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, heads, cu_seqlens, qk_rstd,
+                                 state_v_first, beta_residual, slots, read_slots, False, has_initial_state, rows,
+                                 checkpoint_rows, checkpoint_every, False, HEADS, checkpoint_first)
+        _, args = launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, heads, o, pool, cu_seqlens, qk_rstd,
+                                state_v_first, beta_residual, slots, False, write_slots, None, rows, checkpoint_rows,
+                                checkpoint_every, False, EVERY_SEQUENCE, checkpoint_first)
+        ct.launch(current_stream(), grid, _kernel(worker_warps), first)
+        ct.launch(current_stream(), grid, _kernel(worker_warps), args)
+    elif short_sequences and cu_seqlens is not None:
         for part in (LONG_ONLY, SHORT_ONLY):
             ct.launch(current_stream(), grid, _kernel(worker_warps), args[:-1] + (part,))
     else:

@@ -122,6 +122,16 @@ BAD_INPUTS = {
                                                     v=torch.randn(1, 129, 2, 64), g=torch.randn(1, 129, 2, 64),
                                                     beta=torch.rand(1, 129, 2), checkpoint_every=128,
                                                     checkpoints=torch.zeros(1, 1, 2, 64, 64))),
+        "checkpoint_offsets without checkpoints": (ValueError, "checkpoint_offsets .* needs checkpoints", dict(
+            cu_seqlens=torch.tensor([0, 3, 8]), checkpoint_offsets=torch.tensor([1, 2]))),
+        "checkpoint_offsets without cu_seqlens": (ValueError, "needs checkpoints and cu_seqlens", dict(
+            checkpoints=torch.zeros(1, 1, 2, 64, 64), checkpoint_offsets=torch.tensor([1]))),
+        "checkpoint_offsets float": (TypeError, "checkpoint_offsets must be int32", dict(
+            cu_seqlens=torch.tensor([0, 3, 8]), checkpoints=torch.zeros(1, 4, 2, 64, 64),
+            checkpoint_offsets=torch.tensor([1.0, 2.0]))),
+        "checkpoint_offsets per token": (ValueError, r"checkpoint_offsets must have shape \[2\]", dict(
+            cu_seqlens=torch.tensor([0, 3, 8]), checkpoints=torch.zeros(1, 4, 2, 64, 64),
+            checkpoint_offsets=torch.tensor([1, 2, 3]))),
         "checkpoints short of the packed intervals": (ValueError, r"Σ cdiv\(len_n, 128\)", dict(
             q=torch.randn(1, 200, 2, 64), k=torch.randn(1, 200, 2, 64), v=torch.randn(1, 200, 2, 64),
             g=torch.randn(1, 200, 2, 64), beta=torch.rand(1, 200, 2), cu_seqlens=torch.tensor([0, 129, 200]),

@@ -5,7 +5,7 @@ import torch
 import triton
 
 from kda_opt.options import CHUNK
-from kda_opt.seqs import BLOCK, block_offsets, packed
+from kda_opt.seqs import BLOCK, block_offsets, packed, phased
 from tests.conftest import kernel_device
 
 
@@ -60,3 +60,22 @@ def test_block_offsets(size):
     lens = [1, 63, 64, 65, 0, 511, 512, 513, 1500] * (BLOCK // 8)
     offsets = block_offsets(torch.tensor([0, *lens]).cumsum(0).to(kernel_device()), sum(lens), size)
     assert offsets.cpu().tolist() == [sum(triton.cdiv(n, size) for n in lens[:i]) for i in range(len(lens) + 1)]
+
+
+@pytest.mark.parametrize("every", [CHUNK, 256])
+def test_phased(every):
+    """Checkpoint offsets (kda_opt/seqs.phased): each sequence cut after its first f_n mod 64 tokens
+    (f_n clamped to 1 .. every; no more than it has), and each one's first checkpoint row from
+    rows_n = 1 + cdiv(max(len_n − f_n, 0), every), 0 where empty."""
+    lens = [130, 1, 64, 0, 257, 600, 20]
+    firsts = [37, 5, 64, 10, 0, 100, 1000]
+    cu = torch.tensor([0, *lens]).cumsum(0).to(kernel_device())
+    seqs, rows = phased(cu, torch.tensor(firsts, device=cu.device), sum(lens), every)
+    f = [min(max(x, 1), every) for x in firsts]
+    heads = [min(x % CHUNK, n) for x, n in zip(f, lens)]
+    cuts = [b for i, n in enumerate(lens) for b in (sum(lens[:i]), sum(lens[:i]) + heads[i])] + [sum(lens)]
+    assert seqs.cu_seqlens.cpu().tolist() == cuts
+    pieces = [b - a for a, b in zip(cuts[:-1], cuts[1:])]
+    assert [tuple(r) for r in seqs.chunk_indices.cpu().tolist()][:len(host_table(pieces))] == host_table(pieces)
+    counts = [0 if n == 0 else 1 + -(-max(n - x, 0) // every) for n, x in zip(lens, f)]
+    assert rows.cpu().tolist() == [sum(counts[:i]) for i in range(len(lens) + 1)]

@@ -10,7 +10,8 @@ from kda_bench.inputs import random_inputs
 from kda_opt import kda_forward
 from kda_opt.forward import RUN_TENSORS, run
 from kda_opt.plan import Tuning, make_plan
-from tests.conftest import gpu
+from kda_opt.reference import reference_forward
+from tests.conftest import gpu, rel_err
 from tests.test_op import DEFAULTS
 
 LENS = [130, 1, 64, 0, 257]   # packed: a tail chunk, one token, one whole chunk, an empty sequence
@@ -263,6 +264,78 @@ def test_checkpoints_every_interval(call, ck_dtype, block_v, every):
             row += 1
         first += chunks[n]
     assert torch.equal(spaced[0, row:], torch.full_like(spaced[0, row:], 7.0))
+
+
+OFFSET_LENS = [130, 1, 64, 0, 257, 600, 20]
+
+
+def offset_cut(args, lens, n, stop, first, every):
+    """Sequence n of a packed call, alone (packed, N = 1) and cut after its first `stop` tokens, with
+    its checkpoint offset: the call whose final state the offset checkpoint ending there must be."""
+    a = sum(lens[:n])
+    one = {name: x[:, a:a + stop] if name in ("q", "k", "v", "g", "beta") else x for name, x in args.items()}
+    one.update(cu_seqlens=torch.tensor([0, stop], dtype=torch.int32, device="cuda"), output_final_state=True,
+               checkpoint_offsets=torch.tensor([first], device="cuda"), checkpoint_every=every,
+               checkpoints=torch.zeros(1, -(-stop // every) + 2, *args["checkpoints"].shape[2:], device="cuda"))
+    one.pop("cu_seqlens_cpu", None)
+    if "initial_state" in one:
+        one["initial_state"] = args["initial_state"][n:n + 1]
+    return one
+
+
+@gpu
+@pytest.mark.parametrize("call", list(CALLS))
+@pytest.mark.parametrize("ck_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("every", [64, 256])
+def test_checkpoint_offsets(call, ck_dtype, every):
+    """checkpoint_offsets f_n: row Σ_{m<n} rows_m + j of a packed call holds sequence n's state after
+    min(f_n + E·j, len_n) tokens (E = checkpoint_every), bit for bit the final state of the same call
+    that stops there; offsets inside the first chunk, at chunk ends, past a short sequence's end and
+    E itself; the rows past them untouched; o and the final states as accurate against float64 as
+    the call without them."""
+    lens = OFFSET_LENS
+    firsts = [min(f, every) for f in (37, 5, 64, 10, every, 100, 63)]
+    args = random_inputs(1, sum(lens), 2, 128, seqlens=lens, seed=15, initial_state=True, **CALLS[call])
+    rows = [0 if n == 0 else 1 + -(-max(n - f, 0) // every) for n, f in zip(lens, firsts)]
+    ck = torch.full((1, sum(rows) + 2, 2, 128, 128), 7.0, device="cuda", dtype=ck_dtype)
+    offsets = torch.tensor(firsts, device="cuda")
+    o, s = tuned({**args, "checkpoints": ck, "checkpoint_every": every, "checkpoint_offsets": offsets})
+    row = 0
+    for n, (length, f) in enumerate(zip(lens, firsts)):
+        for j in range(rows[n]):
+            cut = offset_cut({**args, "checkpoints": ck}, lens, n, min(f + every * j, length), f, every)
+            assert torch.equal(ck[0, row], tuned(cut)[1][0].to(ck_dtype)), (n, j)
+            row += 1
+    assert torch.equal(ck[0, row:], torch.full_like(ck[0, row:], 7.0))
+    o_plain, s_plain = tuned(args)
+    ro, rs = reference_forward(**args, method="chunked")
+    assert rel_err(o, ro) < 1.1 * rel_err(o_plain, ro) and rel_err(s, rs) < 1.1 * rel_err(s_plain, rs)
+
+
+@gpu
+@pytest.mark.parametrize("pool", [False, True])
+def test_checkpoint_offsets_of_a_whole_interval(pool):
+    """checkpoint_offsets equal to checkpoint_every: the call without them, bit for bit (o, rows, the
+    final states; a pool with slot −1 and has_initial_state too)."""
+    lens = OFFSET_LENS
+    args = random_inputs(1, sum(lens), 2, 128, seqlens=lens, seed=16, initial_state=True, state_v_first=True)
+    if pool:
+        N = len(lens)
+        args.update(initial_state=torch.cat((args["initial_state"], args["initial_state"][:1])),
+                    initial_state_indices=torch.tensor([0, -1, 2, 3, 4, 5, 6], device="cuda"),
+                    has_initial_state=torch.tensor([True, True, False, True, True, True, False], device="cuda"),
+                    output_final_state=False)
+        assert args["initial_state"].shape[0] == N + 1
+    runs = []
+    for offsets in (None, torch.full((len(lens),), 128, device="cuda")):
+        call = {n: x.clone() if n == "initial_state" else x for n, x in args.items()}
+        call.update(checkpoints=torch.full((1, 16, 2, 128, 128), 7.0, device="cuda"), checkpoint_every=128,
+                    checkpoint_offsets=offsets)
+        o, s = tuned(call)
+        runs.append((o, s, call["checkpoints"], call["initial_state"]))
+    for a, b in zip(*runs):
+        assert (a is None and b is None) or torch.equal(a, b)
+
 
 
 @gpu

@@ -13,7 +13,7 @@ import torch
 import cuda.tile as ct
 from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint, export_kernel
 from kda_opt import reference as ref
-from kda_opt.wuso import EVERY_SEQUENCE, LONG_ONLY, SHORT_ONLY, block_v_for, launch_config, wuso, wuso_kernel
+from kda_opt.wuso import EVERY_SEQUENCE, HEADS, LONG_ONLY, SHORT_ONLY, block_v_for, launch_config, wuso, wuso_kernel
 from tests.conftest import gpu, rel_err
 from tests.stage_inputs import qk_rstd, stage_inputs
 
@@ -46,7 +46,7 @@ def constraint(arg):
 
 def cubin(dtype, K, has_state, store_state, block_v=None, B=1, T=8192, H=96, seqs=None, l2norm=False,
           state_v_first=False, state_dtype=torch.float32, beta_residual=False, pool=None, checkpoints=None,
-          checkpoint_every=1, transition=False, sequences=0):
+          checkpoint_every=1, transition=False, sequences=0, checkpoint_first=False):
     """The launcher's specialisation (launch_config on meta tensors of the default shape),
     compiled for sm_90; block_v None takes the launcher's choice on an H100. seqs: (N, cu_seqlens
     dtype) packs N sequences into the one batch entry (B = 1). l2norm: with stage 2's norms
@@ -78,7 +78,7 @@ def cubin(dtype, K, has_state, store_state, block_v=None, B=1, T=8192, H=96, seq
                             checkpoints=None if checkpoints is None else meta(B, T // 64 + N, H, K, K, dt=checkpoints),
                             checkpoint_rows=None if checkpoints is None or seqs is None else meta(N, dt=torch.int32),
                             checkpoint_every=checkpoint_every, transition=transition,
-                            sequences=sequences)
+                            sequences=sequences, checkpoint_first=meta(N, dt=torch.int64) if checkpoint_first else None)
     signature = KernelSignature([constraint(a) for a in args], CallingConvention.cutile_python_v2())
     buf = io.BytesIO()
     export_kernel(wuso_kernel, [signature], buf, gpu_code="sm_90", output_format="cubin")
@@ -132,6 +132,18 @@ def test_exports_beta_residual(seqs):
     fixed-length and packed."""
     assert_kernel_cubin(cubin(torch.bfloat16, 128, True, True, seqs=seqs, l2norm=True, state_v_first=True,
                               state_dtype=torch.bfloat16, beta_residual=True))
+
+
+@pytest.mark.parametrize("sequences", [EVERY_SEQUENCE, HEADS])
+@pytest.mark.parametrize("call", [dict(state_v_first=True, checkpoint_every=8),
+                                  dict(l2norm=True, beta_residual=True, pool=(100, torch.int32, True))])
+def test_checkpoint_offsets_keep_the_schedule(sequences, call):
+    """Checkpoints at given offsets (checkpoint_first): the heads' launch and the chunks' launch keep
+    the warp-specialised schedule (no spill; computed before the loop or in its first iteration, the
+    head took 255 registers and spilled)."""
+    registers, stack = resources(cubin(torch.bfloat16, 128, True, True, seqs=(64, torch.int32), checkpoints=torch.float32,
+                                       checkpoint_first=True, sequences=sequences, **call))
+    assert registers < 255 and (stack == 0 or sequences == HEADS and stack <= 64)
 
 
 def cuobjdump(binary, option: str) -> str:
