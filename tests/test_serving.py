@@ -272,14 +272,10 @@ OFFSET_LENS = [130, 1, 64, 0, 257, 600, 20]
 def offset_cut(args, lens, n, stop, first, every):
     """Sequence n of a packed call, alone (packed, N = 1) and cut after its first `stop` tokens, with
     its checkpoint offset: the call whose final state the offset checkpoint ending there must be."""
-    a = sum(lens[:n])
-    one = {name: x[:, a:a + stop] if name in ("q", "k", "v", "g", "beta") else x for name, x in args.items()}
+    one = truncated(args, lens, n, stop)
     one.update(cu_seqlens=torch.tensor([0, stop], dtype=torch.int32, device="cuda"), output_final_state=True,
                checkpoint_offsets=torch.tensor([first], device="cuda"), checkpoint_every=every,
                checkpoints=torch.zeros(1, -(-stop // every) + 2, *args["checkpoints"].shape[2:], device="cuda"))
-    one.pop("cu_seqlens_cpu", None)
-    if "initial_state" in one:
-        one["initial_state"] = args["initial_state"][n:n + 1]
     return one
 
 
