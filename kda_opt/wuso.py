@@ -13,7 +13,9 @@ fp32; both states [N, HV, V, K] if asked (state_v_first). N sequences: the B ent
 cu_seqlens [N + 1] the packed sequences of the one entry (B = 1), each read through a view of its own
 rows (kda_opt/seqs); where the launcher is asked (short_sequences), those of at most one chunk are
 read and written by element offsets into the whole arrays instead, in a launch of their own
-(_one_chunk: no view, whose TMA descriptor each program writes to memory, and no loop). Optionally the state after every E chunks into a checkpoint buffer; or, in the
+(_one_chunk: no view, whose TMA descriptor each program writes to memory, and no loop). Optionally
+the state after every E chunks into a checkpoint buffer (packed, from a first checkpoint at a given
+offset: each sequence's head in a launch of its own, HEADS, then the rest, PHASED); or, in the
 transition mode, v = 0 over K state columns and no o, so that from S0 = I the final state is the
 sequence's transition M (kda_opt/forward, "Parallel segments").
 Products take 16-bit operands (fp32 inputs: fp32) with fp32 accumulation. For bf16 inputs O's Aqk V'
@@ -473,27 +475,26 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
     o = v if transition else torch.empty_like(v) if out is None else out      # (transition: never written)
     pool = _two_rows(final_state, 0) if write_slots else final_state
     rows = _two_rows(checkpoints, 1)
-    grid, args = launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, pool, cu_seqlens,
-                               qk_rstd, state_v_first, beta_residual, slots, read_slots, write_slots,
-                               has_initial_state, rows, checkpoint_rows, checkpoint_every, transition,
-                               checkpoint_first=checkpoint_first)
+    common = (q, k, v, gcum, Tm, Aqk, scale, block_v)
     if checkpoint_first is not None:
         # The heads from the initial states into `heads`, then the chunks from there (_sequence).
         B, _, HV, V = v.shape
         heads = v.new_empty(state_shape(num_sequences(B, cu_seqlens), HV, q.shape[-1], V, state_v_first),
                             dtype=torch.float32)
-        _, first = launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, heads, cu_seqlens, qk_rstd,
-                                 state_v_first, beta_residual, slots, read_slots, False, has_initial_state, rows,
-                                 checkpoint_rows, checkpoint_every, False, HEADS, checkpoint_first)
-        _, args = launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, heads, o, pool, cu_seqlens, qk_rstd,
-                                state_v_first, beta_residual, slots, False, write_slots, None, rows, checkpoint_rows,
-                                checkpoint_every, False, EVERY_SEQUENCE, checkpoint_first)
-        ct.launch(current_stream(), grid, _kernel(worker_warps), first)
-        ct.launch(current_stream(), grid, _kernel(worker_warps), args)
-    elif short_sequences and cu_seqlens is not None:
-        for part in (LONG_ONLY, SHORT_ONLY):
-            ct.launch(current_stream(), grid, _kernel(worker_warps), args[:-1] + (part,))
+        grid, first = launch_config(*common, initial_state, o, heads, cu_seqlens, qk_rstd, state_v_first,
+                                    beta_residual, slots, read_slots, False, has_initial_state, rows, checkpoint_rows,
+                                    checkpoint_every, False, HEADS, checkpoint_first)
+        _, rest = launch_config(*common, heads, o, pool, cu_seqlens, qk_rstd, state_v_first, beta_residual, slots,
+                                False, write_slots, None, rows, checkpoint_rows, checkpoint_every, False,
+                                EVERY_SEQUENCE, checkpoint_first)
+        launches = (first, rest)
     else:
+        grid, args = launch_config(*common, initial_state, o, pool, cu_seqlens, qk_rstd, state_v_first,
+                                   beta_residual, slots, read_slots, write_slots, has_initial_state, rows,
+                                   checkpoint_rows, checkpoint_every, transition)
+        split = short_sequences and cu_seqlens is not None
+        launches = [args[:-1] + (part,) for part in (LONG_ONLY, SHORT_ONLY)] if split else (args,)
+    for args in launches:
         ct.launch(current_stream(), grid, _kernel(worker_warps), args)
     _copy_back(final_state, pool, 0)
     _copy_back(checkpoints, rows, 1)
