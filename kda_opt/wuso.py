@@ -170,9 +170,7 @@ def _sequence(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, CK_FIRST, bos, eos
     # a branch around it took the compiler off its schedule at the widest V block; at the narrowest
     # the intervals cost more than the dropped stores, and with K-first or 16-bit buffers they spill:
     # docs/DESIGN.md.)
-    # (PHASED: the one loop. Intervals shifted to end at its checkpoints, the first one empty where the
-    # first checkpoint falls in the head, hung the GPU in the tests.)
-    intervals = STORE_CK and CK_EVERY > 1 and BV > BLOCK_V_CHOICES[0] and V_FIRST and CK.dtype == F32 and not PHASED
+    intervals = STORE_CK and CK_EVERY > 1 and BV > BLOCK_V_CHOICES[0] and V_FIRST and CK.dtype == F32
     ck_early, ck_late = STORE_CK and ck_early and not intervals, STORE_CK and not ck_early and not intervals
     # S0 joins S inside the first iteration, not before the loop: loaded there, its tile gave the
     # loop-carried S another layout, and the compiler then dropped the warp-specialised pipeline
@@ -181,13 +179,24 @@ def _sequence(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, CK_FIRST, bos, eos
     S = ct.zeros((K, BV), dtype=F32)
     chunks = ct.cdiv(T, C)
     if intervals:
-        for i_blk in range(ct.cdiv(chunks, CK_EVERY)):
-            for i_in in range(min(CK_EVERY, chunks - i_blk * CK_EVERY)):
-                i_t = i_blk * CK_EVERY + i_in
+        blocks, lead, row0 = ct.cdiv(chunks, CK_EVERY), CK_EVERY, ck_row
+        if PHASED:
+            # The first interval ends at the first checkpoint after the head (lead chunks), or, where
+            # that one falls in the head (the heads launch's), at the next; none is empty (a loop
+            # with an empty first interval hung the GPU).
+            lead = ct.where(ck_shift < CK_EVERY, CK_EVERY - ck_shift, CK_EVERY)
+            row0 = ct.where(ck_shift < CK_EVERY, ck_row, ck_row + 1)
+            blocks = ct.where(chunks > 0, 1 + ct.cdiv(max(chunks - lead, 0), CK_EVERY), 0)
+        for i_blk in range(blocks):
+            t0 = i_blk * CK_EVERY
+            if PHASED:
+                t0 = ct.where(i_blk == 0, 0, lead + (i_blk - 1) * CK_EVERY)
+            for i_in in range(min(ct.where(i_blk == 0, lead, CK_EVERY) if PHASED else CK_EVERY, chunks - t0)):
+                i_t = t0 + i_in
                 S = _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, i_h, i_hv, i_v, T, chunks, scale,
                            s_in, use_s0, ck_b, ck_row, ck_shift, K, BV, C, HAS_S0, SPLIT_V, L2NORM, V_FIRST,
                            BETA_RESIDUAL, S0_CHECKED, False, False, CK_EVERY, TRANSITION)
-            _checkpoint(CK, S, ck_b, ck_row + i_blk, i_hv, i_v, K, BV, V_FIRST)
+            _checkpoint(CK, S, ck_b, row0 + i_blk, i_hv, i_v, K, BV, V_FIRST)
     else:
         for i_t in range(chunks):
             S = _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, i_h, i_hv, i_v, T, chunks, scale, s_in,
