@@ -55,6 +55,36 @@ def test_benchmark_row_says_what_the_state_costs(monkeypatch):
     assert row["initial_state"] == 0 and row["state_cost_pct"] == bench.NOT_RUN and True not in seen
 
 
+@pytest.mark.parametrize("seqlens", [None, (30, 70)])
+def test_flashkda_rows_time_checkpoints_every_512_tokens(monkeypatch, seqlens):
+    """A row in FlashKDA's configuration with a state also times the call with fp32 V-first
+    checkpoints every 512 tokens (a buffer with the rows kda_forward's docstring asks), and says what
+    they cost; the default configuration's rows do not."""
+    import triton.testing
+    times = iter(range(1, 100))
+    monkeypatch.setattr(triton.testing, "do_bench", lambda f, **kw: float(next(times)))
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(bench.peers, "flashkda", lambda args: (None, "not here"))
+    buffers = []
+    forward = lambda **a: buffers.append((a["checkpoints"].shape, a["checkpoints"].dtype, a["checkpoint_every"])
+                                         if "checkpoints" in a else None)
+    B = 1 if seqlens else 2
+    for config in ("flashkda", "default"):
+        case = bench.Case(B, 1100 if seqlens is None else 100, 2, 64, "safe", -5.0, torch.float32, 0,
+                          seqlens=seqlens, config=config)
+        monkeypatch.setattr(bench.Case, "inputs", lambda self: bench.random_inputs(
+            self.B, self.T, 2, 64, device="cpu", seqlens=self.seqlens, initial_state=True, **bench.CONFIGS[self.config]))
+        row = bench.benchmark(case, lambda **a: None, 1, 1, (1e12, 1e12), forward)
+        timed = [b for b in buffers if b]
+        if config == "flashkda":
+            rows = 3 if seqlens is None else 1 + 2 - 1     # cdiv(1100, 512); packed cdiv(100, 512) + N − 1
+            assert timed and set(timed) == {((B, rows, 2, 64, 64), torch.float32, 512)}, timed
+            assert isinstance(row["kda_opt_ckpt_every_ms"], float) and isinstance(row["ckpt_every_cost_pct"], float)
+        else:
+            assert not timed and row["ckpt_every_cost_pct"] == bench.NOT_RUN
+        buffers.clear()
+
+
 @pytest.mark.parametrize("flags,gate", [(["--no-safe-gate"], "softplus"), (["--no-gate-in-kernel"], "preactivated"),
                                         (["--no-gate-in-kernel", "--no-safe-gate"], "preactivated")])
 def test_gate_flags(flags, gate):

@@ -327,12 +327,13 @@ def check_fla(c: Case, fla):
 
 
 NOT_RUN = "n/a"  # the FlashKDA columns where it cannot compute the case
+CHECKPOINT_EVERY = 512  # tokens between the checkpoints FlashKDA's-configuration rows also time (8 chunks)
 
 
 def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
     """Median ms of FLA, FlashKDA (where it runs) and kda_forward on the same inputs, alternating, and
-    of kda_forward without the initial state where the case has one (what the state costs us);
-    returns a CSV row. kda_forward: kda_opt's, unless given."""
+    of kda_forward without the initial state where the case has one (what the state costs us) and, in
+    FlashKDA's configuration, with fp32 checkpoints every CHECKPOINT_EVERY tokens; returns a CSV row. kda_forward: kda_opt's, unless given."""
     if kda_forward is None:
         from kda_opt import kda_forward
     args = c.inputs()
@@ -346,6 +347,11 @@ def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
         call, why_not = peers.flashkda(args)
         if call:
             runs["flashkda"] = call
+        if c.config == "flashkda" and c.initial_state:
+            N = len(c.seqlens) if c.seqlens else c.B
+            buffer = serving.checkpoint_buffer(args["initial_state"], c.B, c.T, N, CHECKPOINT_EVERY)
+            every = {**args, "checkpoints": buffer, "checkpoint_every": CHECKPOINT_EVERY}
+            runs["kda_opt_ckpt_every"] = lambda: kda_forward(**every)
     flashkda = "flashkda" in runs
     ms = medians_in_turns(runs, warmup, rep)
     ours_ms = ms["kda_opt"]
@@ -359,6 +365,8 @@ def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
                state_cost_pct=cost("kda_opt_no_state", "kda_opt"),
                kda_opt_dense_ms=ms.get("kda_opt_dense", NOT_RUN), pool_cost_pct=cost("kda_opt_dense", "kda_opt"),
                kda_opt_ckpt_ms=ms.get("kda_opt_ckpt", NOT_RUN), ckpt_cost_pct=cost("kda_opt", "kda_opt_ckpt"),
+               kda_opt_ckpt_every_ms=ms.get("kda_opt_ckpt_every", NOT_RUN),
+               ckpt_every_cost_pct=cost("kda_opt", "kda_opt_ckpt_every"),
                flashkda_ms=ms.get("flashkda", NOT_RUN),
                speedup_vs_flashkda=ms["flashkda"] / ours_ms if flashkda else NOT_RUN,
                tbps=nbytes / (ours_ms * 1e-3) / 1e12, tflops=flops / (ours_ms * 1e-3) / 1e12,
@@ -370,6 +378,9 @@ def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
     state = ""
     if "kda_opt_no_state" in ms:
         state = f" (no state {ms['kda_opt_no_state']:.3f} ms: {row['state_cost_pct']:+.1f} %)"
+    if "kda_opt_ckpt_every" in ms:
+        state += (f" (checkpoints every {CHECKPOINT_EVERY} tokens {ms['kda_opt_ckpt_every']:.3f} ms: "
+                  f"{row['ckpt_every_cost_pct']:+.1f} %)")
     if c.config == "serving":
         state = (f" (pool {row['pool_cost_pct']:+.1f} % over the dense call {ms['kda_opt_dense']:.3f} ms; checkpoints "
                  f"{ms['kda_opt_ckpt']:.3f} ms, {row['ckpt_cost_pct']:+.1f} %)")
@@ -389,10 +400,13 @@ def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
 # kda_bench/serving): fla_ms and flashkda_ms gather, call and scatter; kda_opt_ms reads and writes the
 # pool in place; kda_opt_dense_ms / pool_cost_pct: the call on gathered states, and what the pool adds;
 # kda_opt_ckpt_ms / ckpt_cost_pct: the pool call with checkpoints after every chunk, and what they add.
+# kda_opt_ckpt_every_ms / ckpt_every_cost_pct (FlashKDA's configuration with a state): the call with
+# fp32 V-first checkpoints every CHECKPOINT_EVERY tokens, and what they add.
 CSV_FIELDS = ["B", "T", "H", "K", "V", "mode", "varlen", "config", "initial_state", "decay", "fla_ms",
               "kda_opt_ms", "speedup", "kda_opt_no_state_ms", "state_cost_pct", "flashkda_ms",
               "speedup_vs_flashkda", "tbps", "tflops", "bytes_floor_pct", "flops_floor_pct", "fla_flash_kda",
-              "kda_opt_dense_ms", "pool_cost_pct", "kda_opt_ckpt_ms", "ckpt_cost_pct"]
+              "kda_opt_dense_ms", "pool_cost_pct", "kda_opt_ckpt_ms", "ckpt_cost_pct", "kda_opt_ckpt_every_ms",
+              "ckpt_every_cost_pct"]
 ROW_KEY = ("B", "T", "H", "K", "mode", "varlen", "config", "initial_state", "decay")
 # Rows of CSVs written before these columns existed: fixed-length batches in the default
 # configuration, no initial state, A_log and dt_bias ~ 0.5·N(0, 1), FlashKDA not timed, FLA on its
@@ -400,7 +414,8 @@ ROW_KEY = ("B", "T", "H", "K", "mode", "varlen", "config", "initial_state", "dec
 ROW_DEFAULTS = {"varlen": 0, "config": "default", "initial_state": 0, "decay": "0.5N(0,1)",
                 "kda_opt_no_state_ms": NOT_RUN, "state_cost_pct": NOT_RUN, "flashkda_ms": NOT_RUN,
                 "speedup_vs_flashkda": NOT_RUN, "fla_flash_kda": "0", "kda_opt_dense_ms": NOT_RUN,
-                "pool_cost_pct": NOT_RUN, "kda_opt_ckpt_ms": NOT_RUN, "ckpt_cost_pct": NOT_RUN}
+                "pool_cost_pct": NOT_RUN, "kda_opt_ckpt_ms": NOT_RUN, "ckpt_cost_pct": NOT_RUN,
+                "kda_opt_ckpt_every_ms": NOT_RUN, "ckpt_every_cost_pct": NOT_RUN}
 
 
 def medians_in_turns(runs, warmup, rep):

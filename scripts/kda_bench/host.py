@@ -83,7 +83,7 @@ def calls(case: Case, extra: str, fla, kda_forward):
         if "indices_cpu" in extra:
             args["initial_state_indices_cpu"] = slots.cpu()
         if "checkpoints" in extra:
-            args["checkpoints"] = serving.checkpoint_buffer(pool, case.T, slots.shape[0])
+            args["checkpoints"] = serving.checkpoint_buffer(pool, 1, case.T, slots.shape[0])
         return {"kda_opt": lambda: kda_forward(**args)}
     runs = {"kda_opt": lambda: kda_forward(**args), "fla": lambda: fla(**args)}
     flashkda, _ = peers.flashkda(args)

@@ -27,10 +27,13 @@ def pool_of(args, seed):
     return pool, slots, has_state
 
 
-def checkpoint_buffer(pool, T, N):
-    """A checkpoint buffer for N packed requests of T tokens in all, in the pool's row layout: the
-    cdiv(T, 64) + N − 1 rows that always suffice (kda_forward's docstring)."""
-    return torch.empty(1, -(-T // 64) + N - 1, *pool.shape[1:], device=pool.device)
+def checkpoint_buffer(states, B, T, N, every=64):
+    """An fp32 checkpoint buffer in the row layout of `states` (a pool or initial states [·, HV, ...])
+    with a checkpoint every `every` tokens: [B, cdiv(T, every), HV, ...] for B sequences of T tokens,
+    or for N packed into one (B = 1) the cdiv(T, every) + N − 1 rows that always suffice
+    (kda_forward's docstring)."""
+    rows = -(-T // every) + (N - 1 if B == 1 else 0)
+    return torch.empty(B, rows, *states.shape[1:], dtype=torch.float32, device=states.device)
 
 
 def step_runs(args, fla, kda_forward, seed=0):
@@ -42,7 +45,7 @@ def step_runs(args, fla, kda_forward, seed=0):
     dense = {**args, "initial_state": gathered, "output_final_state": True}
     pooled = {**args, "initial_state": pool, "initial_state_indices": slots, "has_initial_state": has_state,
               "output_final_state": False}
-    checkpoints = checkpoint_buffer(pool, T, N)
+    checkpoints = checkpoint_buffer(pool, 1, T, N)
     zeroed = ~has_state[:, None, None, None]
 
     def gather():
