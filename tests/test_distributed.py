@@ -96,3 +96,32 @@ def test_torchrun_example_on_the_cpu():
     assert run.returncode == 0, run.stderr[-2000:]
     errors = [float(x) for x in re.findall(r"(?:o|final state) ([0-9.e+-]+)", run.stdout)]
     assert len(errors) == 2 and max(errors) < 1e-6, run.stdout
+
+
+def rows_worker(rank, world, path):
+    dist.init_process_group("gloo", init_method=f"file://{path}/pg", rank=rank, world_size=world)
+    try:
+        from kda_bench import cp
+        out = cp.cp_rank_rows(path, shapes=[(1, 300, 2)], engine=Reference(), device=torch.device("cpu"),
+                              head_dim=16, dtype=torch.float64, path=f"{path}/cp.csv", rounds=1, iters=1, warmup=0)
+        torch.save(out, f"{path}/rows{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rows_across_ranks(tmp_path):
+    """`--test cp` across ranks (kda_bench/cp.cp_rank_rows), 2 gloo processes with the float64 reference
+    as the engine: a row per configuration with gpus = 2, merged into the CSV beside its one-GPU rows,
+    and each rank's o and the last rank's final state those of the whole sequence in one process."""
+    from kda_bench import bench, cp
+    one_gpu = dict(gpus=1, B=1, T=65536, H=16, config="default", kda_opt_ms=2.5, sequential_ms=2.6, fla_ms=4.1,
+                   flashkda_ms="n/a", one_gpu_ms=2.5)
+    bench.write_table([one_gpu], tmp_path / "cp.csv", cp.FIELDS)
+    mp.spawn(rows_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    rows, errors = torch.load(tmp_path / "rows0.pt")
+    assert [(r["gpus"], r["T"], r["config"]) for r in rows] == [(2, 300, "default"), (2, 300, "flashkda")]
+    assert all(isinstance(r["kda_opt_ms"], float) and isinstance(r["one_gpu_ms"], float) for r in rows)
+    assert all(e_o < 1e-6 and e_s < 1e-6 for e_o, e_s in errors.values()), errors
+    written = bench.read_csv(tmp_path / "cp.csv")
+    assert [(r["gpus"], r["T"], r["config"]) for r in written] == [(1, 65536, "default"), (2, 300, "default"),
+                                                                 (2, 300, "flashkda")]

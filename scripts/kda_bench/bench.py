@@ -438,16 +438,22 @@ def show(row):
 
 
 def write_rows(rows, out_dir, name, fields):
-    """rows as <out_dir>/<name>_<gpu>.csv, floats to 4 decimals; returns the path."""
+    """rows as <out_dir>/<name>_<gpu>.csv (write_table); returns the path."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{name}_{gpu_tag()}.csv")
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: f"{v:.4f}" if isinstance(v, float) else v for k, v in r.items()})
+    write_table(rows, path, fields)
     print(f"wrote {path}")
     return path
+
+
+def write_table(rows, path, fields, defaults=None):
+    """rows as the CSV `path` with columns `fields` (a row's other keys left out, its missing ones from
+    `defaults`), floats to 4 decimals."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: f"{v:.4f}" if isinstance(v, float) else v for k, v in {**(defaults or {}), **r}.items()})
 
 
 def read_csv(path):
@@ -469,11 +475,7 @@ def merge_rows(old, new):
 
 
 def write_csv(rows, path):
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in {**ROW_DEFAULTS, **r}.items()})
+    write_table(rows, path, CSV_FIELDS, ROW_DEFAULTS)
 
 
 def write_plot(rows, path, title, config="default"):
@@ -542,6 +544,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         return refuse("needs a CUDA GPU (none found); the CPU test suite is `bash scripts/check.sh`")
+    if args.test == "cp" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from . import cp
+        return cp.main_across_ranks(args.out_dir)
     fla = peers.fla_chunk_kda()
     if fla is None and (args.sweep or args.test in ("fla", "benchmark", "all", "host", "cp")):
         return refuse(f"--test {args.test} needs fla-core (pip install 'kda-opt[bench]')")

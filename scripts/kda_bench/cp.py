@@ -2,14 +2,25 @@
 (parallel segments where the plan picks them, kda_opt/forward), the sequential path (time segments)
 on the same inputs in the same process, FLA, and FlashKDA where it makes the call; medians of
 do_bench, the systems in turns. Both configurations, with an fp32 initial state. Written to
-<out-dir>/cp_<gpu>.csv (one GPU; `gpus` and `one_gpu_ms` are there for rows across GPUs).
+<out-dir>/cp_<gpu>.csv.
+
+Across GPUs (`torchrun --nproc-per-node N scripts/test.py --test cp`): one sequence of CP_RANK_SHAPES
+split evenly along T over the N ranks (kda_opt.distributed.kda_forward_cp), timed with every rank in
+step, against the whole sequence on one GPU; rows with `gpus` = N and `one_gpu_ms`, merged into the
+same CSV. o and the final state are checked against the one-GPU call and the errors printed.
 """
+import os
+import statistics
+import time
+
 import torch
 
 from . import peers
-from .bench import NOT_RUN, Case, medians_in_turns, show, write_rows
+from .bench import NOT_RUN, Case, gpu_tag, medians_in_turns, read_csv, show, write_rows, write_table
 
 CP_SHAPES = [(1, 65536, 16), (1, 131072, 8), (1, 262144, 4)]
+CP_RANK_SHAPES = [(1, 524288, 32), (1, 1048576, 16)]   # across GPUs
+SLICED = ("q", "k", "v", "g", "beta")                   # the per-token arguments a rank holds a slice of
 FIELDS = ["gpus", "B", "T", "H", "config", "kda_opt_ms", "sequential_ms", "fla_ms", "flashkda_ms", "one_gpu_ms"]
 
 
@@ -43,3 +54,94 @@ def cp_rows(fla, out_dir, warmup=5, rep=30):
             rows.append(row)
     write_rows(rows, out_dir, "cp", FIELDS)
     return rows
+
+
+def in_step(fn, sync, group=None, device=None, rounds=5, iters=5, warmup=2):
+    """fn's ms per call, every rank of `group` calling it in step (fn may hold a collective): the median
+    over `rounds` of `iters` calls between synchronisations, after a barrier; the slowest rank's, on
+    every rank. sync: waits for the device (torch.cuda.synchronize, or nothing on the CPU)."""
+    import torch.distributed as dist
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(rounds):
+        sync()
+        dist.barrier(group)
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3 / iters)
+    return _slowest(statistics.median(times), group, device)
+
+
+def _slowest(x, group, device):
+    import torch.distributed as dist
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.item()
+
+
+@torch.inference_mode()
+def cp_rank_rows(out_dir, shapes=CP_RANK_SHAPES, configs=("default", "flashkda"), engine=None, device=None,
+                 head_dim=128, dtype=torch.bfloat16, group=None, path=None, **timing):
+    """Every rank of `group` (torch.distributed, initialised) calls this: each (shape, configuration)
+    split evenly along T over the ranks and timed with kda_forward_cp, against the whole sequence on
+    one device (engine.ends: kda_forward on the GPU); rank 0 merges the rows into `path`
+    (<out_dir>/cp_<gpu>.csv). Returns (rows, {(T, H, config): (o error, final-state error)}), the
+    errors relative to the one-device call. engine: kda_opt.distributed's (its Engine unless given);
+    timing: in_step's rounds, iters, warmup."""
+    import torch.distributed as dist
+    from kda_opt.distributed import Engine, kda_forward_cp
+    from kda_opt.reference import rel_err
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    engine = engine or Engine()
+    rows, errors = [], {}
+    for B, T, H in shapes:
+        for config in configs:
+            case = Case(B=B, T=T, H=H, K=head_dim, gate="safe", lower_bound=-5.0, dtype=dtype, seed=0, config=config)
+            args = case.inputs(device=device)
+            initial = args.pop("initial_state")
+            args.pop("output_final_state")
+            bounds = [T * r // world for r in range(world + 1)]
+            mine = {n: x[:, bounds[rank]:bounds[rank + 1]] if n in SLICED else x for n, x in args.items()}
+            split = lambda: kda_forward_cp(**mine, initial_state=initial, output_final_state=True, group=group,
+                                           engine=engine)
+            whole = lambda: engine.ends(args, initial)
+            ms = in_step(split, sync, group, device, **timing)
+            one_ms = in_step(whole, sync, group, device, **timing)
+            (o, final), (o_all, final_all) = split(), whole()
+            e_o = _slowest(rel_err(o, o_all[:, bounds[rank]:bounds[rank + 1]]), group, device)
+            e_s = _slowest(rel_err(final, final_all) if rank == world - 1 else 0.0, group, device)
+            errors[(T, H, config)] = (e_o, e_s)
+            row = dict(gpus=world, B=B, T=T, H=H, config=config, kda_opt_ms=ms, sequential_ms=NOT_RUN, fla_ms=NOT_RUN,
+                       flashkda_ms=NOT_RUN, one_gpu_ms=one_ms)
+            rows.append(row)
+            if rank == 0:
+                show(row)
+                print(f"    {world} ranks {one_ms / ms:.2f}× one device; o {e_o:.1e}, final state {e_s:.1e} "
+                      f"against the one-device call")
+    if rank == 0:
+        path = path or os.path.join(out_dir, f"cp_{gpu_tag()}.csv")
+        key = lambda r: (int(r["gpus"]), int(r["B"]), int(r["T"]), int(r["H"]), r["config"])
+        kept = {key(r): r for r in read_csv(path)}
+        kept.update({key(r): r for r in rows})
+        write_table(sorted(kept.values(), key=key), path, FIELDS)
+        print(f"wrote {path}")
+    return rows, errors
+
+
+def main_across_ranks(out_dir):
+    """`--test cp` under torchrun (WORLD_SIZE > 1): NCCL, one GPU per rank (LOCAL_RANK), cp_rank_rows."""
+    import torch.distributed as dist
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl")
+    try:
+        if dist.get_rank() == 0:
+            print(f"# {dist.get_world_size()} × {torch.cuda.get_device_name()}, torch {torch.__version__}")
+        cp_rank_rows(out_dir)
+    finally:
+        dist.destroy_process_group()
+    return 0
