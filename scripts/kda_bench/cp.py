@@ -125,6 +125,7 @@ def cp_rank_rows(out_dir, shapes=CP_RANK_SHAPES, configs=("default", "flashkda")
                       f"against the one-device call")
     if rank == 0:
         path = path or os.path.join(out_dir, f"cp_{gpu_tag()}.csv")
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         key = lambda r: (int(r["gpus"]), int(r["B"]), int(r["T"]), int(r["H"]), r["config"])
         kept = {key(r): r for r in read_csv(path)}
         kept.update({key(r): r for r in rows})
