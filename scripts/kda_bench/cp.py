@@ -7,7 +7,8 @@ do_bench, the systems in turns. Both configurations, with an fp32 initial state.
 Across GPUs (`torchrun --nproc-per-node N scripts/test.py --test cp`): one sequence of CP_RANK_SHAPES
 split evenly along T over the N ranks (kda_opt.distributed.kda_forward_cp), timed with every rank in
 step, against the whole sequence on one GPU; rows with `gpus` = N and `one_gpu_ms`, merged into the
-same CSV. o and the final state are checked against the one-GPU call and the errors printed.
+same CSV. o and the final state are checked against the one-GPU call, and the errors and the
+collective's own time printed.
 """
 import os
 import statistics
@@ -112,6 +113,11 @@ def cp_rank_rows(out_dir, shapes=CP_RANK_SHAPES, configs=("default", "flashkda")
             whole = lambda: engine.ends(args, initial)
             ms = in_step(split, sync, group, device, **timing)
             one_ms = in_step(whole, sync, group, device, **timing)
+            # The collective alone: kda_forward_cp's all_gather of each rank's fp32 state and transition.
+            HV, K, V = args["v"].shape[2], head_dim, args["v"].shape[3]
+            sent = [torch.zeros(1, HV, K, n, device=device) for n in (V, K)]
+            comm_ms = in_step(lambda: [dist.all_gather([torch.empty_like(x) for _ in range(world)], x, group=group)
+                                       for x in sent], sync, group, device, **timing)
             (o, final), (o_all, final_all) = split(), whole()
             e_o = _slowest(rel_err(o, o_all[:, bounds[rank]:bounds[rank + 1]]), group, device)
             e_s = _slowest(rel_err(final, final_all) if rank == world - 1 else 0.0, group, device)
@@ -121,8 +127,8 @@ def cp_rank_rows(out_dir, shapes=CP_RANK_SHAPES, configs=("default", "flashkda")
             rows.append(row)
             if rank == 0:
                 show(row)
-                print(f"    {world} ranks {one_ms / ms:.2f}× one device; o {e_o:.1e}, final state {e_s:.1e} "
-                      f"against the one-device call")
+                print(f"    {world} ranks {one_ms / ms:.2f}× one device (the all_gather alone {comm_ms:.3f} ms); "
+                      f"o {e_o:.1e}, final state {e_s:.1e} against the one-device call")
     if rank == 0:
         path = path or os.path.join(out_dir, f"cp_{gpu_tag()}.csv")
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
