@@ -295,13 +295,12 @@ def _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, i_h, i_hv, i
     if not TRANSITION:
         ct.store(O, index=(i_b, i_t, i_hv, i_v), tile=o.astype(O.dtype).reshape((1, C, 1, BV)))
     if CK_EARLY:
-        _checkpoint(CK, S, ck_b, _checkpoint_row(i_t + ck_shift, chunks + ck_shift, ck_row, CK.shape[1], CK_EVERY), i_hv, i_v, K, BV,
-                    V_FIRST)
+        _checkpoint(CK, S, ck_b, _checkpoint_row(i_t + ck_shift, chunks + ck_shift, ck_row, CK.shape[1], CK_EVERY),
+                    i_hv, i_v, K, BV, V_FIRST)
     S = ct.mma(k_dec_t.astype(dt), v_new, S * decay)                            # [K, BV]
     if CK_LATE:
         _checkpoint(CK, S, ck_b, _checkpoint_row(i_t + 1 + ck_shift, chunks + ck_shift, ck_row, CK.shape[1],
-                                                     CK_EVERY), i_hv, i_v, K,
-                    BV, V_FIRST)
+                                                 CK_EVERY), i_hv, i_v, K, BV, V_FIRST)
     return S
 
 
@@ -451,7 +450,8 @@ def launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, fina
 
 def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=None, final_state=None,
          slots=None, read_slots: bool = False, write_slots: bool = False, has_initial_state=None, checkpoints=None,
-         checkpoint_rows=None, checkpoint_every: int = 1, checkpoint_first=None, cu_seqlens=None, qk_rstd=None, state_v_first: bool = False,
+         checkpoint_rows=None, checkpoint_every: int = 1, checkpoint_first=None, cu_seqlens=None, qk_rstd=None,
+         state_v_first: bool = False,
          beta_residual=None, transition: bool = False, short_sequences: bool = False, out=None,
          worker_warps: int = WORKER_WARPS):
     """Stage 4 on the current stream: o [B, T, HV, V] (v's dtype), returned; the final states written

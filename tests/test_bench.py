@@ -73,7 +73,8 @@ def test_flashkda_rows_time_checkpoints_every_512_tokens(monkeypatch, seqlens):
         case = bench.Case(B, 1100 if seqlens is None else 100, 2, 64, "safe", -5.0, torch.float32, 0,
                           seqlens=seqlens, config=config)
         monkeypatch.setattr(bench.Case, "inputs", lambda self: bench.random_inputs(
-            self.B, self.T, 2, 64, device="cpu", seqlens=self.seqlens, initial_state=True, **bench.CONFIGS[self.config]))
+            self.B, self.T, 2, 64, device="cpu", seqlens=self.seqlens, initial_state=True,
+            **bench.CONFIGS[self.config]))
         row = bench.benchmark(case, lambda **a: None, 1, 1, (1e12, 1e12), forward)
         timed = [b for b in buffers if b]
         if config == "flashkda":

@@ -333,7 +333,6 @@ def test_checkpoint_offsets_of_a_whole_interval(pool):
         assert (a is None and b is None) or torch.equal(a, b)
 
 
-
 @gpu
 @pytest.mark.parametrize("state_v_first", [False, True])
 def test_checkpoints_every_interval_in_time_segments(state_v_first):

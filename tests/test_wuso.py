@@ -141,8 +141,8 @@ def test_checkpoint_offsets_keep_the_schedule(sequences, call):
     """Checkpoints at given offsets (checkpoint_first): the heads' launch and the chunks' launch keep
     the warp-specialised schedule (no spill; computed before the loop or in its first iteration, the
     head took 255 registers and spilled)."""
-    registers, stack = resources(cubin(torch.bfloat16, 128, True, True, seqs=(64, torch.int32), checkpoints=torch.float32,
-                                       checkpoint_first=True, sequences=sequences, **call))
+    registers, stack = resources(cubin(torch.bfloat16, 128, True, True, seqs=(64, torch.int32),
+                                       checkpoints=torch.float32, checkpoint_first=True, sequences=sequences, **call))
     assert registers < 255 and (stack == 0 or sequences == HEADS and stack <= 64)
 
 

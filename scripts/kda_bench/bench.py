@@ -333,7 +333,8 @@ CHECKPOINT_EVERY = 512  # tokens between the checkpoints FlashKDA's-configuratio
 def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
     """Median ms of FLA, FlashKDA (where it runs) and kda_forward on the same inputs, alternating, and
     of kda_forward without the initial state where the case has one (what the state costs us) and, in
-    FlashKDA's configuration, with fp32 checkpoints every CHECKPOINT_EVERY tokens; returns a CSV row. kda_forward: kda_opt's, unless given."""
+    FlashKDA's configuration, with fp32 checkpoints every CHECKPOINT_EVERY tokens; returns a CSV row.
+    kda_forward: kda_opt's, unless given."""
     if kda_forward is None:
         from kda_opt import kda_forward
     args = c.inputs()
