@@ -34,7 +34,7 @@ import torch
 from .intra import warps_for
 from .launch import Kernels
 from .options import CHUNK, GateConfig, state_shape
-from .wuso import WORKER_WARPS, block_v_for
+from .wuso import INT32_MAX, WORKER_WARPS, block_v_for
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # q, k, v; and the initial state
 SUPPORTED_HEAD_DIMS = (64, 128)  # K and V each; FLA also takes 256, which stage 2's registers cannot hold
@@ -110,6 +110,7 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                   chunk_size=chunk_size)
     _validate_serving(q, v, N, initial_state, output_final_state, initial_state_indices, initial_state_indices_cpu,
                       has_initial_state, checkpoints, checkpoint_every, checkpoint_offsets, state_v_first, cu_seqlens)
+    _validate_batch_extent(q, k, v, beta, checkpoints)
     check_host_copies(q.shape[1], cu_seqlens_cpu, initial_state_indices_cpu, initial_state, checkpoints,
                       checkpoint_every)
     _validate_devices(q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias,
@@ -341,6 +342,19 @@ def _validate(q, k, v, g, beta, initial_state, *, use_gate_in_kernel, A_log, dt_
         raise ValueError(f"safe_gate needs lower_bound in [{SAFE_LOWER_BOUND[0]}, {SAFE_LOWER_BOUND[1]}), "
                          f"got {lower_bound}")
     return N
+
+
+def _validate_batch_extent(q, k, v, beta, checkpoints):
+    """With B > 1, each batch entry within 2^31 elements: the cuTile kernel takes arrays by int32
+    strides (kda_opt/wuso, _int32_strides); with B = 1 the batch stride is never used."""
+    B, T, HV, K, V = q.shape[0], q.shape[1], v.shape[2], q.shape[3], v.shape[3]
+    if B == 1:
+        return
+    entry = max(T * HV * max(K, V), *(x.stride(0) for x in (q, k, v, beta, checkpoints) if x is not None))
+    if entry > INT32_MAX:
+        raise ValueError(f"with B > 1 a batch entry may span at most 2^31 − 1 elements (T·HV·max(K, V), an "
+                         f"input's or the checkpoints' batch stride), got {entry}: pass the sequences packed (B = 1, "
+                         "cu_seqlens), which has no such limit")
 
 
 def _validate_devices(q, **tensors):

@@ -48,6 +48,7 @@ BLOCK_V_CHOICES = (32, 64, 128)
 # each sequence's head through _one_chunk (checkpoints at given offsets: _sequence, PHASED).
 EVERY_SEQUENCE, LONG_ONLY, SHORT_ONLY, HEADS = 0, 1, 2, 3
 WORKER_WARPS = 8
+INT32_MAX = 2 ** 31 - 1     # the largest stride (in elements) of an array cuTile takes
 
 
 # The algorithm of FLA's three forward steps after the solve, fused: recompute_w_u_fwd
@@ -445,7 +446,17 @@ def launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, fina
             beta_residual is not None, read_slots, write_slots, has_initial_state is not None, checkpoints is not None,
             checkpoint_every, transition, checkpoint_first is not None, sequences)
     columns = q.shape[-1] if transition else V                # the transition's state is [K, K]
-    return (columns // block_v, num_sequences(B, cu_seqlens) * HV, 1), args
+    return (columns // block_v, num_sequences(B, cu_seqlens) * HV, 1), tuple(map(_int32_strides, args))
+
+
+def _int32_strides(x):
+    """x as cuTile takes an array, whose strides must each fit an int32: a tensor whose leading
+    dimension has one entry (B = 1: one sequence, or the packed ones, however long) with that
+    dimension's stride, which no index multiplies, set to the next one's; anything else as it is
+    (kda_opt/plan refuses a batch entry that would need more)."""
+    if isinstance(x, torch.Tensor) and x.dim() > 1 and x.shape[0] == 1 and x.stride(0) > INT32_MAX:
+        return x.as_strided(x.shape, (x.stride(1), *x.stride()[1:]))
+    return x
 
 
 def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=None, final_state=None,

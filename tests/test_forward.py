@@ -181,6 +181,22 @@ def test_forward_continuation(t, gate):
 
 
 @gpu
+def test_forward_batch_stride_past_int32():
+    """B = 1 inputs whose batch stride is 2^31 or more (as in one sequence of a million tokens, or a
+    slice of one): the same numbers as contiguous ones (the kernels never multiply that stride)."""
+    args = random_inputs(1, 200, 2, 128, initial_state=True)
+    far = {}
+    for n in ("q", "k", "v", "beta"):
+        x = args[n]
+        far[n] = torch.empty_strided(x.shape, (2 ** 31 + 64 * x.stride(1), *x.stride()[1:]), dtype=x.dtype,
+                                     device=x.device).copy_(x)
+        assert far[n].stride(0) > 2 ** 31
+    o, s = kda_forward(**args)
+    o_far, s_far = kda_forward(**{**args, **far})
+    assert torch.equal(o, o_far) and torch.equal(s, s_far)
+
+
+@gpu
 def test_forward_continuation_packed():
     """The same through cu_seqlens: every sequence's first part packed in one call, the second parts
     in another, started from the first call's final states."""

@@ -156,6 +156,23 @@ def test_bad_input_raises(case):
         kda_forward(**cpu_args(**over))
 
 
+def test_batch_entry_past_int32_raises():
+    """B > 1 whose entries span 2^31 elements or more (2 × 2^20 tokens at HV = 16, K = V = 128; on meta
+    tensors): refused with the way out (packed); B = 1 at that length passes to the device check."""
+    meta = lambda *shape: torch.empty(*shape, device="meta")
+    args = lambda B: dict(q=meta(B, 2 ** 20, 16, 128), k=meta(B, 2 ** 20, 16, 128), v=meta(B, 2 ** 20, 16, 128),
+                          g=meta(B, 2 ** 20, 16, 128), beta=meta(B, 2 ** 20, 16))
+    with pytest.raises(ValueError, match="batch entry.*packed"):
+        kda_forward(**args(2))
+    with pytest.raises(ValueError, match="CUDA"):
+        kda_forward(**args(1))
+    small = cpu_args()
+    checkpoints = torch.empty(2, 2 ** 18 + 1, 2, 64, 64, device="meta")     # a batch stride past 2^31
+    with pytest.raises(ValueError, match=f"got {checkpoints.stride(0)}: pass the sequences packed"):
+        kda_forward(**{n: x.expand(2, *x.shape[1:]) if n in PER_TOKEN else x for n, x in small.items()},
+                    checkpoints=checkpoints)
+
+
 @pytest.mark.parametrize("over", [
     dict(initial_state=torch.zeros(4, 2 * 64 * 64 + 8)[:, :2 * 64 * 64].view(4, 2, 64, 64),
          initial_state_indices=torch.tensor([3]), initial_state_indices_cpu=torch.tensor([3])),

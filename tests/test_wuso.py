@@ -224,6 +224,23 @@ def test_block_v_fills_one_wave():
     assert block_v_for(96, 128, H100_SMS, torch.float32) == 32
 
 
+
+def test_long_single_entry_fits_int32_strides():
+    """One sequence of 2^20 tokens at H = 16 (K = V = 128): q, k, v, Γ, o and a checkpoint buffer have
+    a batch stride of 2^31 or more, past what cuTile takes; with B = 1 the launch passes them with
+    that stride replaced (no index multiplies it), every other stride and every shape as they are."""
+    meta = lambda *shape, dt=torch.bfloat16: torch.empty(*shape, dtype=dt, device="meta")
+    B, T, H, K = 1, 2 ** 20, 16, 128
+    q, k, v, o = (meta(B, T, H, K) for _ in range(4))
+    tensors = (q, k, v, meta(B, T, H, K, dt=torch.float32), meta(B, T, H, 64), meta(B, T, H, 64))
+    checkpoints = meta(B, T // 64, H, K, K, dt=torch.float32)
+    _, args = launch_config(*tensors, K ** -0.5, 64, None, o, None, checkpoints=checkpoints)
+    given = [*tensors, o, checkpoints]
+    assert max(x.stride(0) for x in given) >= 2 ** 32
+    for x, taken in zip(given, (args[i] for i in (0, 1, 2, 3, 4, 5, 9, 14))):  # their places in the kernel's
+        assert taken.shape == x.shape and taken.stride()[1:] == x.stride()[1:] and max(taken.stride()) < 2 ** 31
+
+
 def stage4_case(B, T, H, HV, K, dtype, with_state, gate="safe", seed=0, V=None, state_dtype=torch.float32,
                 beta=None):
     """The kernel's inputs (Γ / ln 2 fp32, Tm in k's dtype, Aqk in q's dtype), the initial state (in

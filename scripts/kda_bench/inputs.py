@@ -23,25 +23,27 @@ PER_TOKEN = ("q", "k", "v", "g", "beta")
 
 def random_inputs(B, T, H, K, V=None, HV=None, gate="safe", dtype=torch.bfloat16, device="cuda",
                   seed=0, initial_state=False, output_final_state=True, seqlens=None, l2norm=False,
-                  beta_logits=False, state_v_first=False, decay="fast"):
+                  beta_logits=False, state_v_first=False, decay="fast", draw_on="cpu"):
     """kda_forward keyword arguments: q, v, g ~ N(0, 1), k unit-norm per head (as the Kimi layer
     feeds it), β ~ U(0, 1), A_log and dt_bias as `decay` says (DECAYS), initial state ~ N(0, 1) if
     asked. seqlens: pack sequences of these lengths along T (B = 1, T = their sum), with cu_seqlens
     on the device and cu_seqlens_cpu. l2norm: q and k ~ N(0, 1) normalised in kernel
     (use_qk_l2norm_in_kernel). beta_logits: beta as logits, logit(β), sigmoid in kernel.
-    state_v_first: the initial state [N, HV, V, K] (state_v_first=True)."""
+    state_v_first: the initial state [N, HV, V, K] (state_v_first=True). draw_on: the device whose
+    generator draws the numbers (the CPU's: the same inputs on any machine; a GPU's: fast enough
+    for millions of tokens, the same on every GPU of one kind)."""
     V, HV = V or K, HV or H
     if seqlens is not None and (B != 1 or sum(seqlens) != T):
         raise ValueError(f"seqlens {seqlens} need B = 1 and T = their sum, got B={B}, T={T}")
     if decay not in DECAYS:
         raise ValueError(f"decay must be one of {DECAYS}, got {decay!r}")
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    randn = lambda *s: torch.randn(*s, generator=gen)
-    uniform = lambda lo, hi, *s: torch.empty(*s).uniform_(lo, hi, generator=gen)
+    gen = torch.Generator(device=draw_on).manual_seed(seed)
+    randn = lambda *s: torch.randn(*s, generator=gen, device=draw_on)
+    uniform = lambda lo, hi, *s: torch.empty(*s, device=draw_on).uniform_(lo, hi, generator=gen)
     k = randn(B, T, H, K)
     args = dict(
         q=randn(B, T, H, K), k=k if l2norm else k / k.norm(dim=-1, keepdim=True), v=randn(B, T, HV, V),
-        g=randn(B, T, HV, K), beta=torch.rand(B, T, HV, generator=gen),
+        g=randn(B, T, HV, K), beta=torch.rand(B, T, HV, generator=gen, device=draw_on),
         output_final_state=output_final_state, **GATE_MODES[gate],
     )
     if l2norm:
@@ -51,7 +53,7 @@ def random_inputs(B, T, H, K, V=None, HV=None, gate="safe", dtype=torch.bfloat16
     if state_v_first:
         args["state_v_first"] = True
     if gate == "preactivated":
-        args["g"] = -torch.rand(B, T, HV, K, generator=gen)  # log-decay in (−1, 0]
+        args["g"] = -torch.rand(B, T, HV, K, generator=gen, device=draw_on)  # log-decay in (−1, 0]
     if gate in ("safe", "softplus"):
         args["A_log"] = uniform(1.0, 16.0, HV).log()
     if gate != "preactivated":
