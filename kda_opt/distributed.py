@@ -2,13 +2,15 @@
 process group, each rank holding its slice (kda_opt/forward, "Parallel segments", across ranks).
 
     rank r holds tokens [t_r, t_{r+1}) of the sequence: q, k, v, g, beta [1, T_r, ...]
-    1. h_r: its slice's final state from zero (rank 0: from the sequence's initial state), and for
-       0 < r < W − 1 its transition M_r (kda_opt/forward.transition)
+    0. stages 1–3 over its slice, once (they do not depend on the state)
+    1. rank 0: its o and final state h_0 from the sequence's initial state; 0 < r < W − 1: its final
+       state h_r from zero and its transition M_r (kda_opt/forward.Prepared); the last rank: nothing
     2. all_gather of h and M over the group (fp32: HV·K·(V + K) numbers per rank)
     3. its start S_{r−1} = merge(h_0 .. h_{r−1}, M_1 .. M_{r−1}) in float64 (kda_opt/forward.merge)
-    4. o_r from that start (rank 0's from step 1), and on the last rank the sequence's final state
-Every rank runs stages 1–3 and stage 4 over its slice twice (steps 1 and 4; rank 0 once), three
-times where it has a transition; the collective is one all_gather of two small tensors.
+    4. r > 0: o_r from that start, and on the last rank the sequence's final state
+Stage 4 runs over a slice once on rank 0 and on the last rank, three times on the others; the
+collective is one all_gather of two small tensors. The last rank's stages 1–3 run while rank 0
+computes h_0, so two ranks take about rank 0's call plus the last rank's stage 4.
 """
 import torch
 import torch.distributed as dist
@@ -17,14 +19,16 @@ from . import forward, reference
 
 
 class Engine:
-    """How a rank computes on its slice: kda_forward's arguments in, (o, final state) from a start,
-    and the slice's transition. This one is kda_opt's, on the GPU."""
+    """How a rank computes on its slice: prepare(kda_forward's arguments) runs what does not depend
+    on the start and returns an object whose ends(initial_state) gives (o, final state) and whose
+    transition() gives the slice's transition. This one is kda_opt's (forward.Prepared), on the GPU."""
 
-    def ends(self, args, initial_state):
+    def prepare(self, args):
+        return forward.Prepared(**args)
+
+    def forward(self, args, initial_state):
+        """The whole call on one device, as a user makes it: (o, final state)."""
         return forward.kda_forward(**args, initial_state=initial_state, output_final_state=True)
-
-    def transition(self, args):
-        return forward.transition(**args)
 
 
 class ReferenceEngine(Engine):
@@ -32,14 +36,27 @@ class ReferenceEngine(Engine):
     final state) from a start, its transition as the final state of v = 0 over K state columns from
     I. For checking a setup (the collective, the split) where kda_opt's kernels cannot run."""
 
-    def ends(self, args, initial_state):
-        return reference.reference_forward(**args, initial_state=initial_state, output_final_state=True)
+    def prepare(self, args):
+        return _ReferenceSlice(args)
 
-    def transition(self, args):
-        q, v = args["q"], args["v"]
+    def forward(self, args, initial_state):
+        return _ReferenceSlice(args).ends(initial_state)
+
+
+class _ReferenceSlice:
+    """ReferenceEngine's prepared slice: nothing is computed before a start is given."""
+
+    def __init__(self, args):
+        self.args = args
+
+    def ends(self, initial_state=None):
+        return reference.reference_forward(**self.args, initial_state=initial_state, output_final_state=True)
+
+    def transition(self):
+        q, v = self.args["q"], self.args["v"]
         K, HV = q.shape[-1], v.shape[2]
         units = torch.eye(K, dtype=torch.float64, device=q.device).expand(1, HV, K, K)
-        call = {**args, "v": v.new_zeros(*v.shape[:3], K), "state_v_first": False}
+        call = {**self.args, "v": v.new_zeros(*v.shape[:3], K), "state_v_first": False}
         return reference.reference_forward(**call, initial_state=units, output_final_state=True)[1]
 
 
@@ -62,15 +79,19 @@ def kda_forward_cp(q, k, v, g, beta, scale=None, initial_state=None, output_fina
     engine = engine or Engine()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     v_first = bool(options.get("state_v_first"))
-    args = dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, **options)
-    o, h = engine.ends(args, initial_state if rank == 0 else None)
-    HV, K = h.shape[1], q.shape[-1]
-    M = engine.transition(args) if 0 < rank < world - 1 else h.new_zeros((1, HV, K, K))
+    HV, K, V = v.shape[2], q.shape[-1], v.shape[-1]
+    here = engine.prepare(dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, **options))
+    h = q.new_zeros((1, HV, V, K) if v_first else (1, HV, K, V), dtype=torch.float32)   # the last rank's: unused
+    if rank == 0:
+        o, h = here.ends(initial_state)
+    elif rank < world - 1:
+        _, h = here.ends(None)
+    M = here.transition() if 0 < rank < world - 1 else h.new_zeros((1, HV, K, K))
     hs = _all_gather(h.float().contiguous(), group, world)
     Ms = _all_gather(M.float().contiguous(), group, world)
     if rank > 0:
         start = forward.merge(torch.cat(hs[:rank]), torch.cat(Ms[:rank])[1:], v_first)[-1:]
-        o, h = engine.ends(args, start)
+        o, h = here.ends(start)
     final = h.float() if output_final_state and rank == world - 1 else None
     return o, final
 

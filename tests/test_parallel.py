@@ -77,22 +77,22 @@ def test_parallel_segments_with_a_pool_and_checkpoints(state_v_first):
 @pytest.mark.parametrize("call", ["a state", "flashkda"])
 def test_slices_by_kda_opt_merged_equal_one_pass(call):
     """kda_opt/distributed's steps on one GPU without a collective: three slices of one sequence (not
-    multiples of 64), each slice's final state from zero and transition (forward.transition) by
-    kda_opt, merged (forward.merge), each slice from its start: one pass's o and final state within
+    multiples of 64), each slice's stages 1–3 once (forward.Prepared), its final state from zero and transition
+    by kda_opt, merged (forward.merge), each slice from its start: one pass's o and final state within
     its error bound; the transition against the float64 reference's (v = 0 from I)."""
-    from kda_opt.distributed import Engine, ReferenceEngine
-    from kda_opt.forward import merge, transition
+    from kda_opt.distributed import ReferenceEngine
+    from kda_opt.forward import Prepared, merge
     args = slow(random_inputs(1, 1000, 2, 128, seed=53, **CALLS[call]))
     initial = args.pop("initial_state")
     args.pop("output_final_state")
     o, s = kda_forward(**args, initial_state=initial, output_final_state=True)
     cut = lambda a, b: {n: x[:, a:b] if n in ("q", "k", "v", "g", "beta") else x for n, x in args.items()}
     slices = [cut(0, 300), cut(300, 577), cut(577, 1000)]
-    engine = Engine()
-    hs = [engine.ends(slices[0], initial)[1]] + [engine.ends(x, None)[1] for x in slices[1:]]
-    M = transition(**slices[1])
+    prepared = [Prepared(**x) for x in slices]
+    hs = [prepared[0].ends(initial)[1]] + [x.ends()[1] for x in prepared[1:]]
+    M = prepared[1].transition()
     starts = merge(torch.cat(hs[:2]), M, bool(args.get("state_v_first")))
-    outs = [engine.ends(slices[0], initial)] + [engine.ends(x, starts[j:j + 1]) for j, x in enumerate(slices[1:])]
+    outs = [prepared[0].ends(initial)] + [x.ends(starts[j:j + 1]) for j, x in enumerate(prepared[1:])]
     assert rel_err(torch.cat([x for x, _ in outs], dim=1), o) <= ERROR_FLOOR
     assert rel_err(outs[-1][1], s) <= ERROR_FLOOR
-    assert rel_err(M, ReferenceEngine().transition(slices[1])) <= ERROR_FLOOR
+    assert rel_err(M, ReferenceEngine().prepare(slices[1]).transition()) <= ERROR_FLOOR

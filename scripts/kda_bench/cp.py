@@ -88,7 +88,7 @@ def cp_rank_rows(out_dir, shapes=CP_RANK_SHAPES, configs=("default", "flashkda")
                  head_dim=128, dtype=torch.bfloat16, group=None, path=None, **timing):
     """Every rank of `group` (torch.distributed, initialised) calls this: each (shape, configuration)
     split evenly along T over the ranks and timed with kda_forward_cp, against the whole sequence on
-    one device (engine.ends: kda_forward on the GPU); rank 0 merges the rows into `path`
+    one device (engine.forward: kda_forward on the GPU); rank 0 merges the rows into `path`
     (<out_dir>/cp_<gpu>.csv). Returns (rows, {(T, H, config): (o error, final-state error)}), the
     errors relative to the one-device call. engine: kda_opt.distributed's (its Engine unless given);
     timing: in_step's rounds, iters, warmup."""
@@ -103,14 +103,14 @@ def cp_rank_rows(out_dir, shapes=CP_RANK_SHAPES, configs=("default", "flashkda")
     for B, T, H in shapes:
         for config in configs:
             case = Case(B=B, T=T, H=H, K=head_dim, gate="safe", lower_bound=-5.0, dtype=dtype, seed=0, config=config)
-            args = case.inputs(device=device)
+            args = case.inputs(device=device, draw_on=device)
             initial = args.pop("initial_state")
             args.pop("output_final_state")
             bounds = [T * r // world for r in range(world + 1)]
             mine = {n: x[:, bounds[rank]:bounds[rank + 1]] if n in SLICED else x for n, x in args.items()}
             split = lambda: kda_forward_cp(**mine, initial_state=initial, output_final_state=True, group=group,
                                            engine=engine)
-            whole = lambda: engine.ends(args, initial)
+            whole = lambda: engine.forward(args, initial)
             ms = in_step(split, sync, group, device, **timing)
             one_ms = in_step(whole, sync, group, device, **timing)
             # The collective alone: kda_forward_cp's all_gather of each rank's fp32 state and transition.
