@@ -17,12 +17,13 @@ import time
 import torch
 
 from . import peers
-from .bench import NOT_RUN, Case, gpu_tag, medians_in_turns, read_csv, show, write_rows, write_table
+from .bench import NOT_RUN, Case, gpu_tag, medians_in_turns, read_csv, show, write_table
 
 CP_SHAPES = [(1, 65536, 16), (1, 131072, 8), (1, 262144, 4)]
 CP_RANK_SHAPES = [(1, 524288, 32), (1, 1048576, 16)]   # across GPUs
 SLICED = ("q", "k", "v", "g", "beta")                   # the per-token arguments a rank holds a slice of
-FIELDS = ["gpus", "B", "T", "H", "config", "kda_opt_ms", "sequential_ms", "fla_ms", "flashkda_ms", "one_gpu_ms"]
+FIELDS = ["gpus", "B", "T", "H", "config", "kda_opt_ms", "sequential_ms", "fla_ms", "flashkda_ms", "one_gpu_ms",
+          "layers_ms"]
 
 
 def runs(args, fla, kda_forward):
@@ -50,11 +51,23 @@ def cp_rows(fla, out_dir, warmup=5, rep=30):
                         config=config)
             ms = medians_in_turns(runs(case.inputs(), fla, kda_forward), warmup, rep)
             row = dict(gpus=1, B=B, T=T, H=H, config=config, kda_opt_ms=ms["kda_opt"], sequential_ms=ms["sequential"],
-                       fla_ms=ms["fla"], flashkda_ms=ms.get("flashkda", NOT_RUN), one_gpu_ms=ms["kda_opt"])
+                       fla_ms=ms["fla"], flashkda_ms=ms.get("flashkda", NOT_RUN), one_gpu_ms=ms["kda_opt"],
+                       layers_ms=NOT_RUN)
             show(row)
             rows.append(row)
-    write_rows(rows, out_dir, "cp", FIELDS)
+    merge_rows(rows, os.path.join(out_dir, f"cp_{gpu_tag()}.csv"))
     return rows
+
+
+def merge_rows(rows, path):
+    """rows into the CSV at `path`, in place of those of the same (gpus, B, T, H, config); the others
+    (another GPU count's) kept."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    key = lambda r: (int(r["gpus"]), int(r["B"]), int(r["T"]), int(r["H"]), r["config"])
+    kept = {key(r): r for r in read_csv(path)}
+    kept.update({key(r): r for r in rows})
+    write_table(sorted(kept.values(), key=key), path, FIELDS, defaults=dict(layers_ms=NOT_RUN))
+    print(f"wrote {path}")
 
 
 def in_step(fn, sync, group=None, device=None, rounds=5, iters=5, warmup=2):
@@ -85,13 +98,16 @@ def _slowest(x, group, device):
 
 @torch.inference_mode()
 def cp_rank_rows(out_dir, shapes=CP_RANK_SHAPES, configs=("default", "flashkda"), engine=None, device=None,
-                 head_dim=128, dtype=torch.bfloat16, group=None, path=None, **timing):
+                 head_dim=128, dtype=torch.bfloat16, group=None, path=None, rounds=10, layers=5, warmup=2):
     """Every rank of `group` (torch.distributed, initialised) calls this: each (shape, configuration)
     split evenly along T over the ranks and timed with kda_forward_cp, against the whole sequence on
     one device (engine.forward: kda_forward on the GPU); rank 0 merges the rows into `path`
-    (<out_dir>/cp_<gpu>.csv). Returns (rows, {(T, H, config): (o error, final-state error)}), the
-    errors relative to the one-device call. engine: kda_opt.distributed's (its Engine unless given);
-    timing: in_step's rounds, iters, warmup."""
+    (<out_dir>/cp_<gpu>.csv, merge_rows). Returns (rows, {(T, H, config): (o error, final-state
+    error)}), the errors relative to the one-device call. engine: kda_opt.distributed's (its Engine
+    unless given). kda_opt_ms and one_gpu_ms: one call, every rank starting it together, to the
+    slowest rank's end (the median of `rounds`); layers_ms: per call of `layers` calls back to back,
+    as a model's layers run, where rank 0 starts the next while the last rank finishes (the slices
+    are causal: no rank waits for a later one)."""
     import torch.distributed as dist
     from kda_opt.distributed import Engine, kda_forward_cp
     from kda_opt.reference import rel_err
@@ -111,32 +127,28 @@ def cp_rank_rows(out_dir, shapes=CP_RANK_SHAPES, configs=("default", "flashkda")
             split = lambda: kda_forward_cp(**mine, initial_state=initial, output_final_state=True, group=group,
                                            engine=engine)
             whole = lambda: engine.forward(args, initial)
-            ms = in_step(split, sync, group, device, **timing)
-            one_ms = in_step(whole, sync, group, device, **timing)
+            ms = in_step(split, sync, group, device, rounds, 1, warmup)
+            layers_ms = in_step(split, sync, group, device, rounds, layers, 0)
+            one_ms = in_step(whole, sync, group, device, rounds, 1, warmup)
             # The collective alone: kda_forward_cp's all_gather of each rank's fp32 state and transition.
             HV, K, V = args["v"].shape[2], head_dim, args["v"].shape[3]
             sent = [torch.zeros(1, HV, K, n, device=device) for n in (V, K)]
             comm_ms = in_step(lambda: [dist.all_gather([torch.empty_like(x) for _ in range(world)], x, group=group)
-                                       for x in sent], sync, group, device, **timing)
+                                       for x in sent], sync, group, device, rounds, 1, warmup)
             (o, final), (o_all, final_all) = split(), whole()
             e_o = _slowest(rel_err(o, o_all[:, bounds[rank]:bounds[rank + 1]]), group, device)
             e_s = _slowest(rel_err(final, final_all) if rank == world - 1 else 0.0, group, device)
             errors[(T, H, config)] = (e_o, e_s)
             row = dict(gpus=world, B=B, T=T, H=H, config=config, kda_opt_ms=ms, sequential_ms=NOT_RUN, fla_ms=NOT_RUN,
-                       flashkda_ms=NOT_RUN, one_gpu_ms=one_ms)
+                       flashkda_ms=NOT_RUN, one_gpu_ms=one_ms, layers_ms=layers_ms)
             rows.append(row)
             if rank == 0:
                 show(row)
-                print(f"    {world} ranks {one_ms / ms:.2f}× one device (the all_gather alone {comm_ms:.3f} ms); "
+                print(f"    {world} ranks {one_ms / ms:.2f}× one device, {one_ms / layers_ms:.2f}× back to back "
+                      f"(the all_gather alone {comm_ms:.3f} ms); "
                       f"o {e_o:.1e}, final state {e_s:.1e} against the one-device call")
     if rank == 0:
-        path = path or os.path.join(out_dir, f"cp_{gpu_tag()}.csv")
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        key = lambda r: (int(r["gpus"]), int(r["B"]), int(r["T"]), int(r["H"]), r["config"])
-        kept = {key(r): r for r in read_csv(path)}
-        kept.update({key(r): r for r in rows})
-        write_table(sorted(kept.values(), key=key), path, FIELDS)
-        print(f"wrote {path}")
+        merge_rows(rows, path or os.path.join(out_dir, f"cp_{gpu_tag()}.csv"))
     return rows, errors
 
 
