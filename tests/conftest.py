@@ -17,12 +17,18 @@ from kda_opt.reference import rel_err  # noqa: E402,F401  the one error measure 
 
 
 NO_GPU = "needs a CUDA GPU"
+NO_TWO_GPUS = "needs two CUDA GPUs"
 NO_CUDA_BUILD = "needs torch built with CUDA (a CPU-only build makes no CUDA tensors, fake ones included)"
 
 
 def gpu(test):
     """A test that needs a CUDA GPU: marked `gpu` (`pytest -m gpu` selects these), skipped without one."""
     return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason=NO_GPU)(test))
+
+
+def two_gpus(test):
+    """A test that needs two CUDA GPUs of one host (NCCL): marked `gpu`, skipped with fewer."""
+    return pytest.mark.gpu(pytest.mark.skipif(torch.cuda.device_count() < 2, reason=NO_TWO_GPUS)(test))
 
 
 def cuda_build(test):
@@ -32,15 +38,16 @@ def cuda_build(test):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """A skip for any other reason, or for one of these where it does not hold (a GPU present, a CUDA
-    build), fails the run: a missing test dependency (an importorskip) or tool would otherwise pass
+    """A skip for any other reason, or for one of these where it does not hold (a GPU present, two
+    GPUs, a CUDA build), fails the run: a missing test dependency (an importorskip) or tool would otherwise pass
     as green while the tests it guards never ran."""
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is None:
         return
     reasons = {report.longrepr[2] for report in reporter.stats.get("skipped", [])
                if isinstance(report.longrepr, tuple)}
-    holds = tuple(r for r, here in ((NO_GPU, not HAS_CUDA), (NO_CUDA_BUILD, not torch.backends.cuda.is_built())) if here)
+    holds = tuple(r for r, here in ((NO_GPU, not HAS_CUDA), (NO_TWO_GPUS, torch.cuda.device_count() < 2),
+                                    (NO_CUDA_BUILD, not torch.backends.cuda.is_built())) if here)
     unexpected = sorted(r for r in reasons if not r.endswith(holds))
     if unexpected:
         reporter.write_line("\nskipped for a reason other than a missing GPU or CUDA build (a failure here): "

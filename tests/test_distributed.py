@@ -8,8 +8,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kda_bench.inputs import random_inputs
-from kda_opt import reference
+from kda_opt import kda_forward, reference
 from kda_opt.distributed import ReferenceEngine as Reference, kda_forward_cp
+from kda_opt.reference import ERROR_FLOOR
+from tests.conftest import two_gpus
 
 CALLS = {
     "a state": dict(initial_state=True),
@@ -125,3 +127,43 @@ def test_rows_across_ranks(tmp_path):
     written = bench.read_csv(tmp_path / "cp.csv")
     assert [(r["gpus"], r["T"], r["config"]) for r in written] == [(1, 65536, "default"), (2, 300, "default"),
                                                                  (2, 300, "flashkda")]
+
+
+def nccl_worker(rank, world, path, call):
+    dist.init_process_group("nccl", init_method=f"file://{path}/pg", rank=rank, world_size=world)
+    try:
+        torch.cuda.set_device(rank)
+        args = nccl_inputs(call, torch.device("cuda", rank))
+        initial = args.pop("initial_state")
+        bounds = [0, 430, 1000]
+        mine = {n: x[:, bounds[rank]:bounds[rank + 1]] if n in ("q", "k", "v", "g", "beta") else x
+                for n, x in args.items()}
+        with torch.inference_mode():
+            o, final = kda_forward_cp(**mine, initial_state=initial if rank == 0 else None, output_final_state=True)
+        torch.save((o.cpu(), None if final is None else final.cpu()), f"{path}/out{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def nccl_inputs(call, device):
+    """1000 tokens at H = 2, K = V = 128 with a slow decay (tests/test_parallel.slow), in bf16."""
+    from tests.test_parallel import slow
+    extra = dict(l2norm=True, beta_logits=True, state_v_first=True) if call == "flashkda" else {}
+    args = slow(random_inputs(1, 1000, 2, 128, seed=53, initial_state=True, device=device, **extra))
+    args.pop("output_final_state")
+    return args
+
+
+@two_gpus
+@pytest.mark.parametrize("call", ["a state", "flashkda"])
+def test_slices_on_two_gpus_equal_one_gpu(tmp_path, call):
+    """2 NCCL ranks on two GPUs, kda_opt's kernels on each (slices of 430 and 570 tokens): o and the
+    last rank's final state those of one call over the whole sequence on one GPU, within one
+    pass's error floor."""
+    mp.spawn(nccl_worker, args=(2, str(tmp_path), call), nprocs=2, join=True)
+    outs = [torch.load(tmp_path / f"out{r}.pt") for r in range(2)]
+    args = nccl_inputs(call, torch.device("cuda", 0))
+    with torch.inference_mode():
+        o, s = kda_forward(**args, output_final_state=True)
+    assert reference.rel_err(torch.cat([x for x, _ in outs], dim=1), o.cpu()) <= ERROR_FLOOR
+    assert reference.rel_err(outs[1][1], s.cpu()) <= ERROR_FLOOR and outs[0][1] is None
