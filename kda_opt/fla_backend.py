@@ -11,7 +11,8 @@ import torch
 
 from . import forward
 from .options import CHUNK
-from .plan import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
+from .plan import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, batch_entry_extent
+from .wuso import INT32_MAX
 
 # chunk_kda's keywords past its named parameters that kda_opt takes; any other keyword is left to FLA.
 EXTRA_KEYWORDS = ("A_log", "dt_bias", "chunk_size", "transpose_state_layout", "initial_state_indices",
@@ -77,6 +78,8 @@ def _backend_class():
                 return False, f"head dim K = {q.shape[-1]} is not 64 or 128"
             if v.shape[-1] not in SUPPORTED_HEAD_DIMS:
                 return False, f"head dim V = {v.shape[-1]} is not 64 or 128"
+            if batch_entry_extent(q, k, v, beta) > INT32_MAX:
+                return False, "B > 1 with a batch entry of 2^31 elements or more"
             if cp_context is not None:
                 return False, "context parallelism (cp_context)"
             if return_intermediate_states:

@@ -186,9 +186,12 @@ def kda_forward(
 
     Supported head dims: K and V each 64 or 128 (any pair). q, k, v and beta whose tokens are dense,
     evenly spaced rows (views split from one fused projection) are read through their strides; other
-    inputs that are not contiguous are copied first. Bad inputs raise ValueError or TypeError naming
-    the argument before any kernel runs. No host-device synchronisation. kda_opt.plan.make_plan(...) takes the same
-    arguments and returns the call's resolved options and launch choices without running it.
+    inputs that are not contiguous are copied first. Length: one sequence (B = 1, or packed) of any
+    length; with B > 1 each batch entry within 2^31 elements (T·HV·max(K, V), and the inputs' and
+    checkpoints' batch strides; past it a ValueError says to pack them). Bad inputs raise ValueError
+    or TypeError naming the argument before any kernel runs. No host-device synchronisation.
+    kda_opt.plan.make_plan(...) takes the same arguments and returns the call's resolved options and
+    launch choices without running it.
 
     Under torch.compile it is one custom op, ``torch.ops.kda_opt.forward`` (``forward_in_place``,
     which declares the pool and the checkpoints written, when either is given; kda_opt/op), which runs

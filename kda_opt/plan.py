@@ -344,13 +344,19 @@ def _validate(q, k, v, g, beta, initial_state, *, use_gate_in_kernel, A_log, dt_
     return N
 
 
+def batch_entry_extent(q, k, v, beta, checkpoints=None) -> int:
+    """The elements one batch entry spans where B > 1 (T·HV·max(K, V), the inputs' and the
+    checkpoints' batch strides), 0 where B = 1: it must not pass INT32_MAX, as the cuTile kernel
+    takes arrays by int32 strides (kda_opt/wuso, _int32_strides); with B = 1 the batch stride is
+    never used."""
+    if q.shape[0] == 1:
+        return 0
+    T, HV, K, V = q.shape[1], v.shape[2], q.shape[3], v.shape[3]
+    return max(T * HV * max(K, V), *(x.stride(0) for x in (q, k, v, beta, checkpoints) if x is not None))
+
+
 def _validate_batch_extent(q, k, v, beta, checkpoints):
-    """With B > 1, each batch entry within 2^31 elements: the cuTile kernel takes arrays by int32
-    strides (kda_opt/wuso, _int32_strides); with B = 1 the batch stride is never used."""
-    B, T, HV, K, V = q.shape[0], q.shape[1], v.shape[2], q.shape[3], v.shape[3]
-    if B == 1:
-        return
-    entry = max(T * HV * max(K, V), *(x.stride(0) for x in (q, k, v, beta, checkpoints) if x is not None))
+    entry = batch_entry_extent(q, k, v, beta, checkpoints)
     if entry > INT32_MAX:
         raise ValueError(f"with B > 1 a batch entry may span at most 2^31 − 1 elements (T·HV·max(K, V), an "
                          f"input's or the checkpoints' batch stride), got {entry}: pass the sequences packed (B = 1, "

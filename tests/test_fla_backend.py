@@ -115,6 +115,7 @@ def test_verifier_rejects_inputs_that_require_grad(backend, on_hopper, name):
     (dict(K=256), "K = 256"),
     (dict(V=32), "V = 32"),
     (dict(V=256), "V = 256"),
+    (dict(B=2, T=2 ** 20, H=16), "batch entry of 2^31"),    # meta tensors: kda_forward would refuse it
 ])
 def test_verifier_rejects_shapes_and_dtypes(backend, on_hopper, changes, words):
     accepted, reason = backend.chunk_kda_verifier(**kimi_call(**changes))
