@@ -446,7 +446,9 @@ def launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, fina
             beta_residual is not None, read_slots, write_slots, has_initial_state is not None, checkpoints is not None,
             checkpoint_every, transition, checkpoint_first is not None, sequences)
     columns = q.shape[-1] if transition else V                # the transition's state is [K, K]
-    return (columns // block_v, num_sequences(B, cu_seqlens) * HV, 1), tuple(map(_int32_strides, args))
+    if B == 1 and max(x.stride(0) for x in (q, k, v, gcum, o, checkpoints) if x is not None) > INT32_MAX:
+        args = tuple(map(_int32_strides, args))     # the largest arrays' batch strides: the others' are smaller
+    return (columns // block_v, num_sequences(B, cu_seqlens) * HV, 1), args
 
 
 def _int32_strides(x):
