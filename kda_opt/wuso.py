@@ -227,15 +227,15 @@ def _one_chunk(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, bos, n, i_h, i_hv
     dt = Q.dtype
     row = ct.arange(C, dtype=ct.int64).reshape((C, 1))
     tok, valid = bos + row, row < n
-    q = _rows(Q, tok, valid, i_h, 0, K)
-    k = _rows(Kx, tok, valid, i_h, 0, K)
-    g = _rows(G, tok, valid, i_hv, 0, K)
+    q = _slice(Q, bos, valid, i_h, 0, C, K)
+    k = _slice(Kx, bos, valid, i_h, 0, C, K)
+    g = _slice(G, bos, valid, i_hv, 0, C, K)
     if TRANSITION:
         v = ct.zeros((C, BV), dtype=F32)
     else:
-        v = _rows(Vx, tok, valid, i_hv, i_v * BV, BV)
-    tm = _rows(TM, tok, valid, i_hv, 0, C)
-    aqk = _rows(AQK, tok, valid, i_hv, 0, C)
+        v = _slice(Vx, bos, valid, i_hv, i_v * BV, C, BV)
+    tm = _slice(TM, bos, valid, i_hv, 0, C, C)
+    aqk = _slice(AQK, bos, valid, i_hv, 0, C, C)
     last = ct.full((1, 1), bos + n - 1, dtype=ct.int64)
     g_last = _rows(G, last, last >= bos, i_hv, 0, K)                           # [1, K]; 0 where n = 0
     S = ct.zeros((K, BV), dtype=F32)
@@ -255,6 +255,16 @@ def _one_chunk(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, bos, n, i_h, i_hv
     if STORE_SF:
         ct.store(SF, index=(s_out, i_hv, 0, i_v), tile=S.astype(SF.dtype).reshape((1, 1, K, BV)),
                  order=(0, 1, 3, 2) if V_FIRST else (0, 1, 2, 3))
+
+
+@ct.function
+def _slice(A, row0, valid, head, col0, R: ConstInt, W: ConstInt):
+    """A [1, T, H, ·] array's tile [R, W] of rows row0 .. row0 + R − 1 at head `head`, columns col0 ..
+    col0 + W − 1: one TMA box at element coordinates on the array's own descriptor (no view); zeros
+    where not valid [R, 1] (rows of the next sequences) and past T."""
+    tile = ct.load_advanced_indexing(A, (ct.zeros((1,), dtype=ct.int32), ct.Slice(row0, R), ct.Slice(head, 1),
+                                         ct.Slice(col0, W)), padding_mode=ZERO).reshape((R, W))
+    return ct.where(valid, tile, 0)
 
 
 @ct.function
