@@ -123,8 +123,10 @@ def kda_forward(
             from 0 to T (lengths ≥ 0); they are read on the device only, so they are not checked
             there (values that break this give wrong rows, never an access out of bounds).
         cu_seqlens_cpu: the same values on the CPU (optional, as in FLA): then they are checked
-            here, without a host-device synchronisation. Nothing else uses it: kda_forward never
-            needs the lengths on the host.
+            here, without a host-device synchronisation; and one sequence (N = 1), known so to span
+            all T tokens, runs as the fixed-length call of B = 1 does (a long one in time or
+            parallel segments, docs/DESIGN.md), where without it the device values are trusted
+            unseen and the packed path runs.
         chunk_size: 64, the only size this engine computes (kda_opt/options.CHUNK).
         transpose_state_layout: FLA's deprecated name of ``state_v_first`` (a DeprecationWarning;
             passing both is an error).
@@ -237,6 +239,7 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
     ranges = nvtx_enabled()
     launch = launch or (annotated if ranges else direct)
     q, k, v, g, beta, initial_state, A_log, dt_bias = _as_read(plan, q, k, v, g, beta, initial_state, A_log, dt_bias)
+    cu_seqlens = cu_seqlens if plan.packed else None        # one sequence over [0, T]: the B = 1 call
     prepare = functools.partial(_stages_1_to_3, plan, launch, kernels, A_log=A_log, dt_bias=dt_bias)
     if made is not None:
         if plan.packed or not plan.parallel and len(plan.segments) > 1:

@@ -75,7 +75,7 @@ class Plan:
     output_final_state: bool
     state_pool: bool              # initial_state is a pool read and written at initial_state_indices
     state_v_first: bool           # states [N, HV, V, K]
-    packed: bool                  # cu_seqlens given
+    packed: bool                  # cu_seqlens given (but one sequence checked to span [0, T])
     copied: tuple[str, ...]       # of q, k, v, beta: those read as contiguous copies (their token rows
                                   # not readable through their strides, _rows_readable)
     checkpoint_every: int         # tokens between checkpoints (a multiple of CHUNK)
@@ -121,7 +121,10 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     HV, V = v.shape[2], v.shape[3]
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     align = checkpoint_every if checkpoints is not None else CHUNK
-    parallel = parallel_segments(T, N, HV, sms, cu_seqlens is not None, tuning.parallel_tokens, align)
+    # One packed sequence whose host copy says it spans [0, T] (check_host_copies) is the fixed-length
+    # call of B = 1, with its time or parallel segments; without the copy the device values are unseen.
+    packed = cu_seqlens is not None and (N > 1 or cu_seqlens_cpu is None or checkpoint_offsets is not None)
+    parallel = parallel_segments(T, N, HV, sms, packed, tuning.parallel_tokens, align)
     if tuning.parallel is False or tuning.parallel is None and not _parallel_pays(T, HV, V):
         parallel = None
     block_v = tuning.block_v or block_v_for((len(parallel) - 1 if parallel else N) * HV, math.gcd(V, K) if parallel
@@ -136,15 +139,15 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         # back what its rounding lost.
         beta_residual=k.dtype != torch.float32 and (use_beta_sigmoid_in_kernel or beta.dtype != k.dtype),
         initial_state=initial_state is not None, output_final_state=output_final_state, state_pool=pool,
-        state_v_first=state_v_first, packed=cu_seqlens is not None,
+        state_v_first=state_v_first, packed=packed,
         copied=tuple(n for n, x in (("q", q), ("k", k), ("v", v), ("beta", beta)) if not _rows_readable(x)),
         block_v=block_v,
         checkpoint_every=checkpoint_every, checkpoint_offsets=checkpoint_offsets is not None,
-        segments=parallel or time_segments(T, N, N * HV * (V // block_v), sms, cu_seqlens is not None,
+        segments=parallel or time_segments(T, N, N * HV * (V // block_v), sms, packed,
                                            tuning.segment_tokens, tuning.max_segments, align),
         parallel=parallel is not None,
         # (With checkpoint offsets a sequence of one chunk may be cut in two: stage 4's own launches.)
-        short_sequences=cu_seqlens is not None and tuning.short_sequences and checkpoint_offsets is None,
+        short_sequences=packed and tuning.short_sequences and checkpoint_offsets is None,
         intra_warps=tuning.intra_warps or warps_for(q.dtype), worker_warps=tuning.worker_warps,
     )
 

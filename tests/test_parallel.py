@@ -96,3 +96,29 @@ def test_slices_by_kda_opt_merged_equal_one_pass(call):
     assert rel_err(torch.cat([x for x, _ in outs], dim=1), o) <= ERROR_FLOOR
     assert rel_err(outs[-1][1], s) <= ERROR_FLOOR
     assert rel_err(M, ReferenceEngine().prepare(slices[1]).transition()) <= ERROR_FLOOR
+
+
+@gpu
+def test_lone_packed_sequence_runs_as_fixed_length():
+    """One packed sequence (cu_seqlens [0, T]) with its host copy: the plan of the B = 1 call
+    (parallel segments at T = 65536, H = 2) and its numbers bit for bit, with a state pool,
+    has_initial_state and checkpoints; without the host copy the packed path (one pass), within
+    one pass's error floor of it."""
+    T = 65536
+    args = random_inputs(1, T, 2, 128, seed=57, initial_state=True, state_v_first=True)
+    args.pop("output_final_state")
+    pool = torch.randn(3, *args.pop("initial_state").shape[1:], device="cuda")
+    cu = torch.tensor([0, T])
+    serving = dict(initial_state_indices=torch.tensor([2], device="cuda"),
+                   has_initial_state=torch.tensor([True], device="cuda"))
+    runs = {}
+    for name, extra in {"fixed": {}, "lone": dict(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu),
+                        "packed": dict(cu_seqlens=cu.cuda())}.items():
+        plan = make_plan(**args, **extra, initial_state=pool, **serving)
+        assert (plan.parallel, plan.packed) == ((True, False) if name != "packed" else (False, True)), name
+        state, checkpoints = pool.clone(), torch.zeros(1, T // 512, 2, 128, 128, device="cuda")
+        o, _ = kda_forward(**args, **extra, initial_state=state, **serving, checkpoints=checkpoints,
+                           checkpoint_every=512)
+        runs[name] = o, state, checkpoints
+    assert all(torch.equal(x, y) for x, y in zip(runs["lone"], runs["fixed"]))
+    assert all(rel_err(x, y) <= ERROR_FLOOR for x, y in zip(runs["lone"], runs["packed"]))
