@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import forward, reference
+from .options import state_shape
 
 
 class Engine:
@@ -81,7 +82,7 @@ def kda_forward_cp(q, k, v, g, beta, scale=None, initial_state=None, output_fina
     v_first = bool(options.get("state_v_first"))
     HV, K, V = v.shape[2], q.shape[-1], v.shape[-1]
     here = engine.prepare(dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, **options))
-    h = q.new_zeros((1, HV, V, K) if v_first else (1, HV, K, V), dtype=torch.float32)   # the last rank's: unused
+    h = q.new_zeros(state_shape(1, HV, K, V, v_first), dtype=torch.float32)   # the last rank's: unused
     if rank == 0:
         o, h = here.ends(initial_state)
     elif rank < world - 1:
