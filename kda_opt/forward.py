@@ -19,20 +19,22 @@ keeps it) is the next one's initial state: the same numbers as one pass. The cal
 for the second stream's work before each stage 4, so the result is ordered on it as usual.
 
 Parallel segments (kda_opt/plan decides them, where few heads and a long sequence leave the SMs
-idle): a segment's passage is affine in its start, S_out = M S_in + h, per value head, with h its
-final state from zero and M [K, K] the product of its chunks' transitions Diag(2^Γ_last) − (k ⊙
-2^(Γ_last − Γ))ᵀ Tm (2^Γ ⊙ k). Stages 1–3 run once over the whole sequence (their outputs are
-chunk-local), then stage 4 three times over the segments as packed sequences: (1) segments 0 .. S − 2,
-segment 0 from the call's initial state and the others from zero, giving h (and segment 0's o and
-checkpoints); (2) the transitions M of segments 1 .. S − 2 (stage 4 with v = 0 over K state columns
-from S_in = I, no o); then the merge, S_{j+1} = M_j S_j + h_j in float64 (S − 2 small products);
-(3) segments 1 .. S − 1 from their true starts, giving their o, checkpoints and the final state.
-Three passes over a sequence's tokens, each with every (segment, head) program at once, against one
-pass whose chain is the whole sequence. The result is that of one pass up to the rounding of M's
-16-bit product operands, within one pass's error against the float64 recurrence (tests/test_parallel.py).
+idle; packed sequences with their host copy are cut on each call): a segment's passage is affine in
+its start, S_out = M S_in + h, per value head, with h its final state from zero and M [K, K] the
+product of its chunks' transitions Diag(2^Γ_last) − (k ⊙ 2^(Γ_last − Γ))ᵀ Tm (2^Γ ⊙ k). Stages 1–3 run
+once over the whole call (their outputs are chunk-local, and segments start at whole chunks), then
+stage 4 three times over the pieces, every sequence's rows in order (the long ones in segments, the
+others whole) as packed sequences: (1) every piece from its start as known so far (a sequence's
+first piece from its initial state, the others from zero), giving h; (2) every piece's transition M
+(stage 4 with v = 0 over K state columns from S_in = I, no o); then the merge, S_{j+1} = M_j S_j + h_j
+in float64 for each cut sequence; (3) every piece from its true start, giving o, checkpoints and the
+final states. Three passes, each with every (piece, head) program at once, against one pass whose
+chain is the longest sequence. The result is that of one pass up to the rounding of M's 16-bit
+product operands, within one pass's error against the float64 recurrence (tests/test_parallel.py).
 """
 import contextlib
 import functools
+import itertools
 import math
 
 import nvtx
@@ -42,9 +44,9 @@ from .gate import gate_cumsum
 from .intra import intra_chunk
 from .launch import Kernels, annotated, direct, nvtx_enabled
 from .options import CHUNK, state_shape
-from .plan import Plan, Tuning, make_plan, plan_for
+from .plan import Plan, Tuning, cut_sequences, make_plan, plan_for
 from .seqs import block_offsets, packed, phased
-from .wuso import wuso
+from .wuso import block_v_for, wuso
 
 
 def kda_forward(
@@ -123,10 +125,11 @@ def kda_forward(
             from 0 to T (lengths ≥ 0); they are read on the device only, so they are not checked
             there (values that break this give wrong rows, never an access out of bounds).
         cu_seqlens_cpu: the same values on the CPU (optional, as in FLA): then they are checked
-            here, without a host-device synchronisation; and one sequence (N = 1), known so to span
+            here, without a host-device synchronisation; one sequence (N = 1), known so to span
             all T tokens, runs as the fixed-length call of B = 1 does (a long one in time or
-            parallel segments, docs/DESIGN.md), where without it the device values are trusted
-            unseen and the packed path runs.
+            parallel segments, docs/DESIGN.md), and a long sequence among others in parallel
+            segments where they pay; without it the device values are trusted unseen and every
+            sequence runs in one pass.
         chunk_size: 64, the only size this engine computes (kda_opt/options.CHUNK).
         transpose_state_layout: FLA's deprecated name of ``state_v_first`` (a DeprecationWarning;
             passing both is an error).
@@ -219,17 +222,17 @@ def kda_forward(
         initial_state_indices_cpu=initial_state_indices_cpu, has_initial_state=has_initial_state,
         checkpoints=checkpoints, checkpoint_every=checkpoint_every, checkpoint_offsets=checkpoint_offsets))
     return run(plan, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, initial_state_indices,
-               has_initial_state, checkpoints, checkpoint_offsets, kernels=kernels)
+               has_initial_state, checkpoints, checkpoint_offsets, cu_seqlens_cpu, kernels=kernels)
 
 
 # run's tensor arguments, by kda_forward's names: run(plan, **{n: arguments.get(n) for n in RUN_TENSORS}).
 RUN_TENSORS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens",
-               "initial_state_indices", "has_initial_state", "checkpoints", "checkpoint_offsets")
+               "initial_state_indices", "has_initial_state", "checkpoints", "checkpoint_offsets", "cu_seqlens_cpu")
 
 
 def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=None, cu_seqlens=None,
-        initial_state_indices=None, has_initial_state=None, checkpoints=None, checkpoint_offsets=None, *, launch=None,
-        kernels: Kernels | None = None, made=None):
+        initial_state_indices=None, has_initial_state=None, checkpoints=None, checkpoint_offsets=None,
+        cu_seqlens_cpu=None, *, launch=None, kernels: Kernels | None = None, made=None):
     """The forward of a plan made from these inputs (make_plan): (o, final state or None).
     launch(name, launcher, *args, **kwargs) runs each stage's launcher (names: seqs, gate, intra,
     wuso; None: directly, or inside an NVTX range where KDA_OPT_NVTX asks for them, kda_opt/launch);
@@ -258,8 +261,9 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
         final = initial_state if plan.state_pool else _final_state(plan, v) if plan.output_final_state else None
         state = dict(initial_state=initial_state, final_state=final, slots=initial_state_indices,
                      read_slots=plan.state_pool, write_slots=plan.state_pool, has_initial_state=has_initial_state)
-        if plan.parallel:
-            o = _parallel(plan, q, k, v, g, beta, state, checkpoints, prepare, stage4)
+        cut = _cut(plan, cu_seqlens_cpu)
+        if cut is not None:
+            o = _parallel(plan, q, k, v, g, beta, seqs, state, checkpoints, prepare, stage4, *cut)
         elif len(plan.segments) == 1:
             gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, seqs)
             o = stage4(q, k, v, gcum, Tm, Aqk, **state, checkpoints=checkpoints,
@@ -355,42 +359,69 @@ def _stages_1_to_3(plan: Plan, launch, kernels, q, k, g, beta, seqs=None, *, A_l
     return gcum, Aqk, Tm, r, rstd
 
 
-def _parallel(plan: Plan, q, k, v, g, beta, state, checkpoints, prepare, stage4):
-    """o over plan.segments of one sequence (B = 1) run at once (module docstring, "Parallel
-    segments"); `state` holds stage 4's state arguments of the whole call. A pool slot is read by
-    segment 0 and written by the last; a dense final state is the last segment's row of its own
-    buffer, copied."""
-    S = len(plan.segments)
-    bounds, first_rows, no_slot, zero_slot = _segment_tables(q.device, plan.segments, plan.checkpoint_every)
-    gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta)
-    common = dict(qk_rstd=rstd, beta_residual=r)
+def _cut(plan: Plan, cu_seqlens_cpu) -> tuple[tuple[tuple[int, int, int], ...], int] | None:
+    """The pieces (n, t0, t1) the call's sequences run as in parallel segments, with their V block
+    (kda_opt/plan: a lone sequence's segments, or packed ones cut on this call), or None."""
+    if plan.parallel:
+        return tuple((0, t0, t1) for t0, t1 in plan.segments), plan.block_v
+    cut = plan.parallel_cut
+    pieces = None if cut is None or cu_seqlens_cpu is None else cut_sequences(cu_seqlens_cpu.tolist(), plan.HV, cut)
+    if pieces is None:
+        return None
+    return pieces, cut.block_v or block_v_for(len(pieces) * plan.HV, math.gcd(plan.V, plan.K), cut.sms, plan.dtype)
+
+
+def _parallel(plan: Plan, q, k, v, g, beta, seqs, state, checkpoints, prepare, stage4, pieces, block_v):
+    """o over `pieces` ((n, t0, t1), ...: every sequence's rows in order, the long ones cut into
+    segments) run at once (module docstring, "Parallel segments"): stage 4 three times over every
+    piece. `state` holds stage 4's state arguments of the whole call: a sequence's first piece reads
+    its initial state (a pool slot too), its last writes its final state."""
+    P = len(pieces)
+    bounds, ck_rows, first, last, grid, zeros, no_slots = _piece_tables(q.device, pieces, plan.N,
+                                                                        plan.checkpoint_every)
+    gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, seqs)
+    common = dict(cu_seqlens=bounds, qk_rstd=rstd, beta_residual=r)
     o = torch.empty_like(v)
-    # Pass 1: segments 0 .. S − 2 from zero (segment 0 from the call's initial state: its slot, or
-    # row 0 of a dense state, where the others read none), and their transitions from I (1 .. S − 2).
-    pool, initial, mask = state["read_slots"], state["initial_state"], state["has_initial_state"]
-    slots = None
-    if initial is not None:
-        slots = torch.cat((state["slots"].to(torch.int32) if pool else zero_slot[:1], no_slot[:S - 2]))
-        if mask is not None:
-            mask = torch.cat((mask, mask.new_zeros(S - 2)))
-    h = v.new_empty((S - 1, *_state_row(plan)), dtype=torch.float32)
-    stage4(q, k, v, gcum, Tm, Aqk, initial_state=initial, slots=slots, read_slots=initial is not None,
-           has_initial_state=mask, final_state=h, cu_seqlens=bounds[:S], out=o, checkpoints=checkpoints,
-           checkpoint_rows=None if checkpoints is None else first_rows, **common)
-    M = v.new_empty((S - 2, plan.HV, plan.K, plan.K), dtype=torch.float32)
-    stage4(q, k, v, gcum, Tm, Aqk, initial_state=_units(q.device, plan.HV, plan.K), slots=zero_slot[:S - 2],
-           read_slots=True, final_state=M, cu_seqlens=bounds[1:S], transition=True, state_v_first=False, **common)
-    starts = merge(h, M, plan.state_v_first)
-    # Pass 2: segments 1 .. S − 1 from their true starts; the last writes the call's final state.
+    # Each piece's start, fp32 (a row more: where the merge's padding lands): a sequence's first
+    # piece from its initial state, the others from zero until the merge gives them theirs.
+    starts = v.new_zeros((P + 1, *_state_row(plan)), dtype=torch.float32)
+    if state["initial_state"] is not None:
+        starts.index_copy_(0, first, _initial_states(state))
+    # Pass 1: every piece from that start, its final state h; pass 2: every piece's transition M,
+    # from I with v = 0 over K state columns.
+    h = torch.zeros_like(starts)
+    stage4(q, k, v, gcum, Tm, Aqk, initial_state=starts, final_state=h[:P], out=o, block_v=block_v, **common)
+    M = v.new_zeros((P + 1, plan.HV, plan.K, plan.K), dtype=torch.float32)
+    stage4(q, k, v, gcum, Tm, Aqk, initial_state=_units(q.device, plan.HV, plan.K), slots=zeros, read_slots=True,
+           final_state=M[:P], transition=True, state_v_first=False, block_v=math.gcd(block_v, plan.K), **common)
+    if grid.numel():
+        # A cut sequence's piece j + 1 starts where piece j ends, M_j S_j + h_j, and its first piece
+        # ends at h_0 (grid: [pieces, cut sequences], padded with the spare row).
+        ends = merge(h[grid], M[grid[1:]], plan.state_v_first)
+        starts.index_copy_(0, grid[1:].flatten(), ends[:-1].flatten(0, 1))
+    # Pass 3: every piece from its true start: o, checkpoints, and by each last piece its sequence's
+    # final state (a dense state's row n, or its pool slot).
     final, pool = state["final_state"], state["write_slots"]
-    ends = None if final is None or pool else torch.empty_like(starts)
-    stage4(q, k, v, gcum, Tm, Aqk, initial_state=starts, final_state=final if pool else ends, write_slots=pool,
-           slots=torch.cat((no_slot[:S - 2], state["slots"].to(torch.int32))) if pool else None,
-           cu_seqlens=bounds[1:], out=o, checkpoints=checkpoints,
-           checkpoint_rows=None if checkpoints is None else first_rows[1:], **common)
-    if ends is not None:
-        final.copy_(ends[-1:])
+    slots = None
+    if final is not None:
+        slots = no_slots.index_copy(0, last, state["slots"].to(torch.int32) if pool else _sequence_rows(q.device, plan.N))
+    stage4(q, k, v, gcum, Tm, Aqk, initial_state=starts, final_state=final, slots=slots, write_slots=final is not None,
+           out=o, checkpoints=checkpoints, checkpoint_rows=None if checkpoints is None else ck_rows, block_v=block_v,
+           **common)
     return o
+
+
+def _initial_states(state) -> torch.Tensor:
+    """Each sequence's initial state as stage 4 reads it, fp32 [N, ...]: a pool's rows at the slots
+    (zeros where a slot is outside the pool), zeros where has_initial_state is false."""
+    initial, use = state["initial_state"], state["has_initial_state"]
+    if state["read_slots"]:
+        slots = state["slots"].long()
+        inside = (slots >= 0) & (slots < initial.shape[0])
+        initial = initial[slots.clamp(0, initial.shape[0] - 1)]
+        use = inside if use is None else inside & use
+    initial = initial.float()
+    return initial if use is None else torch.where(use.view(-1, 1, 1, 1), initial, 0.0)
 
 
 def merge(h: torch.Tensor, M: torch.Tensor, v_first: bool = False) -> torch.Tensor:
@@ -412,13 +443,32 @@ def _state_row(plan: Plan) -> tuple[int, int, int]:
 
 
 @functools.lru_cache(maxsize=64)
-def _segment_tables(device: torch.device, segments, checkpoint_every: int):
-    """Parallel segments' int32 device tables: their bounds [S + 1] (as cu_seqlens), each one's first
-    checkpoint row [S], and slot rows [S] of −1 (no state read or written) and of 0."""
-    bounds = torch.tensor([t0 for t0, _ in segments] + [segments[-1][1]], dtype=torch.int32, device=device)
-    first_rows = torch.tensor([t0 // checkpoint_every for t0, _ in segments], dtype=torch.int32, device=device)
-    no_slot = torch.full((len(segments),), -1, dtype=torch.int32, device=device)
-    return bounds, first_rows, no_slot, torch.zeros_like(no_slot)
+def _piece_tables(device: torch.device, pieces, N: int, checkpoint_every: int):
+    """Parallel segments' device tables for pieces (n, t0, t1) (_parallel): their bounds [P + 1] (as
+    cu_seqlens), each one's first checkpoint row [P] (sequence n's rows from Σ_{m<n} cdiv(len_m,
+    checkpoint_every), as packed checkpoints are laid out), each sequence's first and last piece [N],
+    the cut sequences' pieces [most pieces, cut sequences] (int64, padded with P), and slot rows [P]
+    of 0 and of −1; copied from pinned memory, without waiting for the device."""
+    P = len(pieces)
+    first, last, lengths = [P] * N, [0] * N, [0] * N
+    for p, (n, t0, t1) in enumerate(pieces):
+        first[n], last[n], lengths[n] = min(first[n], p), p, lengths[n] + t1 - t0
+    rows = list(itertools.accumulate((-(-x // checkpoint_every) for x in lengths), initial=0))
+    ck_rows = [rows[n] + (t0 - pieces[first[n]][1]) // checkpoint_every for n, t0, _ in pieces]
+    cut = [n for n in range(N) if last[n] > first[n]]
+    depth = max((last[n] - first[n] + 1 for n in cut), default=0)
+    grid = [first[n] + j if first[n] + j <= last[n] else P for j in range(depth) for n in cut]
+    host = torch.tensor([t0 for _, t0, _ in pieces] + [pieces[-1][2]] + ck_rows + first + last + [0] * P + [-1] * P
+                        + grid, dtype=torch.int32)
+    host = host.pin_memory() if device.type == "cuda" else host
+    bounds, ck, fst, lst, zeros, none, flat = host.to(device, non_blocking=True).split((P + 1, P, N, N, P, P, len(grid)))
+    return bounds, ck, fst, lst, flat.long().view(depth, len(cut)), zeros, none
+
+
+@functools.lru_cache(maxsize=16)
+def _sequence_rows(device: torch.device, N: int) -> torch.Tensor:
+    """0 .. N − 1, int32: sequence n's row of a dense final state, which pass 3 writes as a slot."""
+    return torch.arange(N, dtype=torch.int32, device=device)
 
 
 @functools.lru_cache(maxsize=16)

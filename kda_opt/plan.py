@@ -4,8 +4,8 @@ decision, into one frozen value that kda_opt/forward runs; each stage takes the 
     plan = make_plan(q, k, v, g, beta, ...)    TypeError / ValueError / RuntimeError naming the
                                                argument, before any kernel runs
     what the options mean                      gate, scale, l2norm, beta_sigmoid, beta_residual, ...
-    how the stages launch                      block_v, segments, parallel, short_sequences, intra_warps,
-                                               worker_warps
+    how the stages launch                      block_v, segments, parallel, parallel_cut, short_sequences,
+                                               intra_warps, worker_warps
 Tuning holds the launch knobs; kda_forward takes its defaults, tests and scripts/bench_stages.py pass
 others. kda_forward makes a call signature's plan once (plan_for): the signature holds everything the
 checks and the plan read (every tensor's shape, strides, dtype, device, requires_grad and 16-byte
@@ -22,7 +22,10 @@ overlaps: stages 1–3 of segment s + 1 beside stage 4 of segment s.
 Parallel segments. Where a lone sequence is long and its heads few, its segments run at once
 instead (kda_opt/forward, "Parallel segments": three stage-4 passes over the segments and a merge of
 their transitions): one wave of (segment, value head) programs at the widest V block that fits
-(parallel_segments), where that measured faster than the time segments (_parallel_pays).
+(parallel_segments), where that measured faster than the time segments (_parallel_pays). Packed
+sequences whose lengths the call gives on the host (cu_seqlens_cpu) are cut so on every call where
+the longest is long enough (ParallelCut, cut_sequences): the plan, made once per signature, cannot
+hold lengths that change from call to call.
 """
 import math
 import operator
@@ -49,10 +52,22 @@ class Tuning:
     block_v: int | None = None    # stage 4's V block; None: block_v_for's choice
     intra_warps: int | None = None  # stages 2+3's warps; None: kda_opt/intra.warps_for's choice
     worker_warps: int = WORKER_WARPS  # stage 4's worker warps
-    parallel: bool | None = None  # a lone sequence's segments at once (parallel_segments); None: where it
-                                  # pays, True: wherever it applies, False: never
+    parallel: bool | None = None  # a long sequence's segments at once (parallel_segments, cut_sequences);
+                                  # None: where it pays, True: wherever it applies, False: never
     parallel_tokens: int = 2048   # parallel segments: at least this many tokens each
     short_sequences: bool = True  # packed: a sequence of one chunk read by element offsets, not views
+
+
+@dataclass(frozen=True)
+class ParallelCut:
+    """Packed sequences with their host copy (cu_seqlens_cpu): each call cuts those longer than its
+    longest one's parallel segment into such segments (cut_sequences), where the longest has at least
+    `longest` tokens."""
+    sms: int
+    min_tokens: int                 # Tuning.parallel_tokens
+    align: int                      # segments are whole multiples of it (chunks, or checkpoint intervals)
+    longest: int
+    block_v: int | None             # Tuning.block_v; None: block_v_for's choice for the call's segments
 
 
 @dataclass(frozen=True)
@@ -83,6 +98,7 @@ class Plan:
     block_v: int                  # stage 4's V columns per program
     segments: tuple[tuple[int, int], ...]  # token ranges: time segments, or parallel segments
     parallel: bool                # the segments run at once (parallel_segments), not one after another
+    parallel_cut: ParallelCut | None  # packed: long sequences cut into parallel segments on each call
     short_sequences: bool         # packed: stage 4 reads a sequence of one chunk by element offsets
     intra_warps: int
     worker_warps: int
@@ -127,7 +143,12 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     parallel = parallel_segments(T, N, HV, sms, packed, tuning.parallel_tokens, align)
     if tuning.parallel is False or tuning.parallel is None and not _parallel_pays(T, HV, V):
         parallel = None
-    block_v = tuning.block_v or block_v_for((len(parallel) - 1 if parallel else N) * HV, math.gcd(V, K) if parallel
+    cut = None
+    if packed and cu_seqlens_cpu is not None and checkpoint_offsets is None and (
+            tuning.parallel or tuning.parallel is None and _parallel_pays(T, HV, V)):
+        cut = ParallelCut(sms, tuning.parallel_tokens, align, 0 if tuning.parallel else PARALLEL_LONGEST,
+                          tuning.block_v)
+    block_v = tuning.block_v or block_v_for((len(parallel) if parallel else N) * HV, math.gcd(V, K) if parallel
                                             else V, sms, q.dtype)
     return Plan(
         B=B, T=T, H=H, K=K, HV=HV, V=V, N=N, dtype=q.dtype,
@@ -145,7 +166,7 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         checkpoint_every=checkpoint_every, checkpoint_offsets=checkpoint_offsets is not None,
         segments=parallel or time_segments(T, N, N * HV * (V // block_v), sms, packed,
                                            tuning.segment_tokens, tuning.max_segments, align),
-        parallel=parallel is not None,
+        parallel=parallel is not None, parallel_cut=cut,
         # (With checkpoint offsets a sequence of one chunk may be cut in two: stage 4's own launches.)
         short_sequences=packed and tuning.short_sequences and checkpoint_offsets is None,
         intra_warps=tuning.intra_warps or warps_for(q.dtype), worker_warps=tuning.worker_warps,
@@ -253,11 +274,30 @@ def parallel_segments(T: int, N: int, HV: int, sms: int, is_packed: bool, min_to
     return segments if len(segments) >= 3 else None
 
 
+def cut_sequences(cu_seqlens: list[int], HV: int, cut: ParallelCut) -> tuple[tuple[int, int, int], ...] | None:
+    """Pieces (n, t0, t1) of packed sequences (bounds cu_seqlens, on the host), every sequence's rows
+    in order: each longer than the longest's parallel segment (parallel_segments of it alone) cut into
+    segments of that length, the others whole (an empty one an empty piece); None where the longest
+    has fewer than cut.longest tokens or would not be cut in three."""
+    lengths = [t1 - t0 for t0, t1 in zip(cu_seqlens, cu_seqlens[1:])]
+    longest = max(lengths, default=0)
+    alone = parallel_segments(longest, 1, HV, cut.sms, False, cut.min_tokens, cut.align)
+    if longest < cut.longest or alone is None:
+        return None
+    step = alone[0][1]
+    return tuple((n, t, min(t + step, t1)) for n, (t0, t1) in enumerate(zip(cu_seqlens, cu_seqlens[1:]))
+                 for t in range(t0, max(t1, t0 + 1), step))
+
+
+# Parallel segments pay from a sequence of this many tokens (at few heads: _parallel_pays).
+PARALLEL_LONGEST = 65536
+
+
 def _parallel_pays(T: int, HV: int, V: int) -> bool:
     """Where parallel segments beat the time segments: measured at T = 65536 with HV·V = 16·128 (1.03–
     1.24×), 8·128 and 4·128 at 128K and 256K tokens (1.8–3.6×); slower at (1, 32768, 32) (0.86–0.97×;
     docs/DESIGN.md, "Parallel segments")."""
-    return HV * V <= 16 * 128 and T >= 65536
+    return HV * V <= 16 * 128 and T >= PARALLEL_LONGEST
 
 
 def time_segments(T: int, N: int, programs: int, sms: int, is_packed: bool, segment_tokens: int,

@@ -7,7 +7,7 @@ import torch
 
 from kda_bench.inputs import random_inputs
 from kda_opt import kda_forward
-from kda_opt.plan import Tuning, make_plan
+from kda_opt.plan import Tuning, cut_sequences, make_plan
 from kda_opt.reference import ERROR_FLOOR, reference_forward
 from tests.conftest import gpu, rel_err
 from tests.test_forward import run_tuned
@@ -122,3 +122,52 @@ def test_lone_packed_sequence_runs_as_fixed_length():
         runs[name] = o, state, checkpoints
     assert all(torch.equal(x, y) for x, y in zip(runs["lone"], runs["fixed"]))
     assert all(rel_err(x, y) <= ERROR_FLOOR for x, y in zip(runs["lone"], runs["packed"]))
+
+
+PACKED_LENGTHS = (50, 1000, 0, 64, 700, 1)     # the longest in segments of 192 tokens, 700 in four
+
+
+@gpu
+@pytest.mark.parametrize("call", ["a state", "flashkda", "K ≠ V, GVA, V-first"])
+def test_packed_long_sequences_cut_equal_one_pass(call):
+    """Packed sequences with their host copy: those longer than the longest's segment run as parallel
+    segments beside the others (empty and one-token ones among them), o and the final states within
+    one pass's error against the float64 recurrence and close to the packed path's numbers."""
+    args = slow(random_inputs(1, sum(PACKED_LENGTHS), 2, 128, seed=58, seqlens=PACKED_LENGTHS, **CALLS[call]))
+    plan = make_plan(**args, tuning=PARALLEL)
+    assert plan.packed and not plan.parallel and plan.parallel_cut is not None
+    assert [n for n, _, _ in cut_sequences(args["cu_seqlens_cpu"].tolist(), plan.HV, plan.parallel_cut)] == \
+        [0] + [1] * 6 + [2, 3] + [4] * 4
+    o, s = kda_forward(**args)
+    o_par, s_par = run_tuned(args, PARALLEL)
+    ref_o, ref_s = reference_forward(**args, method="chunked")
+    assert rel_err(o_par, ref_o) <= ERROR_FLOOR and rel_err(s_par, ref_s) <= ERROR_FLOOR
+    assert rel_err(o_par, o) <= ERROR_FLOOR and rel_err(s_par, s) <= ERROR_FLOOR
+
+
+@gpu
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_packed_long_sequences_cut_with_a_pool_and_checkpoints(state_v_first):
+    """The serving call with long requests among short ones: pool slots read (zeros where
+    has_initial_state is false or the slot is −1) and written (not at −1), checkpoints every 128
+    tokens, as the packed path writes them; the pool's other rows untouched."""
+    args = slow(random_inputs(1, sum(PACKED_LENGTHS), 2, 128, seed=59, seqlens=PACKED_LENGTHS, initial_state=True,
+                              state_v_first=state_v_first, output_final_state=False))
+    N = len(PACKED_LENGTHS)
+    start = torch.randn(N + 2, *args["initial_state"].shape[1:], device="cuda")
+    slots = torch.tensor([3, 7, 0, -1, 5, 1], device="cuda")
+    rows = sum(-(-n // 128) for n in PACKED_LENGTHS)
+    pools, cks = [], []
+    for tuning in (Tuning(parallel=False), PARALLEL):
+        pool = start.clone()
+        ck = torch.full((1, rows, *pool.shape[1:]), 7.0, device="cuda")
+        call = {**args, "initial_state": pool, "initial_state_indices": slots, "checkpoints": ck,
+                "has_initial_state": torch.tensor([True, True, True, True, False, True], device="cuda"),
+                "checkpoint_every": 128}
+        assert (make_plan(**call, tuning=tuning).parallel_cut is not None) == bool(tuning.parallel)
+        run_tuned(call, tuning)
+        pools.append(pool)
+        cks.append(ck)
+    assert torch.equal(pools[0][[2, 4, 6]], start[[2, 4, 6]]) and torch.equal(pools[1][[2, 4, 6]], start[[2, 4, 6]])
+    assert rel_err(pools[1], pools[0]) <= ERROR_FLOOR
+    assert rel_err(cks[1], cks[0]) <= ERROR_FLOOR

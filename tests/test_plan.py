@@ -8,8 +8,10 @@ import torch
 
 from kda_bench.inputs import PER_TOKEN, random_inputs
 from kda_opt import kda_forward
+from kda_opt.forward import _piece_tables
 from kda_opt.intra import FP32_WARPS, NUM_WARPS
-from kda_opt.plan import Tuning, make_plan, parallel_segments, time_segments
+from kda_opt.plan import (ParallelCut, Tuning, cut_sequences, make_plan, parallel_segments,
+                          time_segments)
 from tests.conftest import gpu
 
 
@@ -348,6 +350,34 @@ def test_parallel_segments():
         assert 3 <= len(segs) <= 33 and segs[0][0] == 0 and segs[-1][1] == T
         assert all(a1 == b0 and b0 % 64 == 0 for (a0, b0), (a1, _) in zip(segs, segs[1:]))
 
+
+
+def test_cut_sequences():
+    """Packed sequences cut on a call (kda_opt/plan.cut_sequences): those longer than the longest's
+    parallel segment into segments of its length, the others whole, every sequence's rows in order;
+    none where the longest is under the plan's bound or gives fewer than three segments."""
+    cut = ParallelCut(sms=132, min_tokens=2048, align=64, longest=65536, block_v=None)
+    step = parallel_segments(131072, 1, 8, 132, False, 2048)[0][1]
+    assert step == 8192
+    pieces = cut_sequences([0, 100, 131172, 131172, 141172], 8, cut)
+    assert pieces == ((0, 0, 100),) + tuple((1, t, t + step) for t in range(100, 131172, step)) + \
+        ((2, 131172, 131172), (3, 131172, 139364), (3, 139364, 141172))
+    assert cut_sequences([0, 60000, 70000], 8, cut) is None                        # the longest under 65536
+    assert cut_sequences([0, 5000, 70000], 48, ParallelCut(132, 2048, 64, 0, None)) is None   # two fill the SMs
+    with_ck = cut_sequences([0, 1000, 2000], 2, ParallelCut(132, 128, 256, 0, None))
+    assert with_ck == ((0, 0, 256), (0, 256, 512), (0, 512, 768), (0, 768, 1000), (1, 1000, 1256), (1, 1256, 1512),
+                       (1, 1512, 1768), (1, 1768, 2000))
+
+
+def test_piece_tables():
+    """The device tables of cut sequences (kda_opt/forward): bounds, checkpoint rows as the packed
+    layout numbers them, first and last pieces, the merge's grid padded with the spare row."""
+    pieces = ((0, 0, 10), (1, 10, 202), (1, 202, 394), (1, 394, 400), (2, 400, 400), (3, 400, 592), (3, 592, 600))
+    bounds, ck, first, last, grid, zeros, none = _piece_tables(torch.device("cpu"), pieces, 4, 64)
+    assert bounds.tolist() == [0, 10, 202, 394, 400, 400, 592, 600]
+    assert ck.tolist() == [0, 1, 4, 7, 8, 8, 11] and first.tolist() == [0, 1, 4, 5] and last.tolist() == [0, 3, 4, 6]
+    assert grid.tolist() == [[1, 5], [2, 6], [3, 7]]
+    assert zeros.tolist() == [0] * 7 and none.tolist() == [-1] * 7
 
 # ---- GPU: what the plan resolves ----
 
