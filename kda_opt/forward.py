@@ -446,9 +446,9 @@ def _state_row(plan: Plan) -> tuple[int, int, int]:
 def _piece_tables(device: torch.device, pieces, N: int, checkpoint_every: int):
     """Parallel segments' device tables for pieces (n, t0, t1) (_parallel): their bounds [P + 1] (as
     cu_seqlens), each one's first checkpoint row [P] (sequence n's rows from Σ_{m<n} cdiv(len_m,
-    checkpoint_every), as packed checkpoints are laid out), each sequence's first and last piece [N],
-    the cut sequences' pieces [most pieces, cut sequences] (int64, padded with P), and slot rows [P]
-    of 0 and of −1; copied from pinned memory, without waiting for the device."""
+    checkpoint_every), as packed checkpoints are laid out), each sequence's first and last piece [N]
+    and the cut sequences' pieces [most pieces, cut sequences] (padded with P), int64 (as indices),
+    and slot rows [P] of 0 and of −1; copied from pinned memory, without waiting for the device."""
     P = len(pieces)
     first, last, lengths = [P] * N, [0] * N, [0] * N
     for p, (n, t0, t1) in enumerate(pieces):
@@ -462,7 +462,7 @@ def _piece_tables(device: torch.device, pieces, N: int, checkpoint_every: int):
                         + grid, dtype=torch.int32)
     host = host.pin_memory() if device.type == "cuda" else host
     bounds, ck, fst, lst, zeros, none, flat = host.to(device, non_blocking=True).split((P + 1, P, N, N, P, P, len(grid)))
-    return bounds, ck, fst, lst, flat.long().view(depth, len(cut)), zeros, none
+    return bounds, ck, fst.long(), lst.long(), flat.long().view(depth, len(cut)), zeros, none
 
 
 @functools.lru_cache(maxsize=16)

@@ -137,7 +137,7 @@ def test_packed_long_sequences_cut_equal_one_pass(call):
     plan = make_plan(**args, tuning=PARALLEL)
     assert plan.packed and not plan.parallel and plan.parallel_cut is not None
     assert [n for n, _, _ in cut_sequences(args["cu_seqlens_cpu"].tolist(), plan.HV, plan.parallel_cut)] == \
-        [0] + [1] * 6 + [2, 3] + [4] * 4
+        [0] + [1] * 6 + [2, 3] + [4] * 4 + [5]
     o, s = kda_forward(**args)
     o_par, s_par = run_tuned(args, PARALLEL)
     ref_o, ref_s = reference_forward(**args, method="chunked")

@@ -377,6 +377,7 @@ def test_piece_tables():
     assert bounds.tolist() == [0, 10, 202, 394, 400, 400, 592, 600]
     assert ck.tolist() == [0, 1, 4, 7, 8, 8, 11] and first.tolist() == [0, 1, 4, 5] and last.tolist() == [0, 3, 4, 6]
     assert grid.tolist() == [[1, 5], [2, 6], [3, 7]]
+    assert first.dtype == last.dtype == grid.dtype == torch.int64              # index_copy_'s indices
     assert zeros.tolist() == [0] * 7 and none.tolist() == [-1] * 7
 
 # ---- GPU: what the plan resolves ----
