@@ -148,7 +148,7 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             tuning.parallel or tuning.parallel is None and _parallel_pays(T, HV, V)):
         cut = ParallelCut(sms, tuning.parallel_tokens, align, 0 if tuning.parallel else PARALLEL_LONGEST,
                           tuning.block_v)
-    block_v = tuning.block_v or block_v_for((len(parallel) if parallel else N) * HV, math.gcd(V, K) if parallel
+    block_v = tuning.block_v or block_v_for((len(parallel) - 1 if parallel else N) * HV, math.gcd(V, K) if parallel
                                             else V, sms, q.dtype)
     return Plan(
         B=B, T=T, H=H, K=K, HV=HV, V=V, N=N, dtype=q.dtype,

@@ -370,15 +370,20 @@ def test_cut_sequences():
 
 
 def test_piece_tables():
-    """The device tables of cut sequences (kda_opt/forward): bounds, checkpoint rows as the packed
-    layout numbers them, first and last pieces, the merge's grid padded with the spare row."""
+    """The tables of cut sequences (kda_opt/forward): bounds, checkpoint rows as the packed layout
+    numbers them, first and last pieces, the merge's grid padded with the spare row, and the run of
+    pieces each pass takes (pass 1 the cut sequences' pieces but their last, pass 2 their middle
+    ones, pass 3 from the first piece that is not a cut sequence's first)."""
     pieces = ((0, 0, 10), (1, 10, 202), (1, 202, 394), (1, 394, 400), (2, 400, 400), (3, 400, 592), (3, 592, 600))
-    bounds, ck, first, last, grid, zeros, none = _piece_tables(torch.device("cpu"), pieces, 4, 64)
-    assert bounds.tolist() == [0, 10, 202, 394, 400, 400, 592, 600]
-    assert ck.tolist() == [0, 1, 4, 7, 8, 8, 11] and first.tolist() == [0, 1, 4, 5] and last.tolist() == [0, 3, 4, 6]
-    assert grid.tolist() == [[1, 5], [2, 6], [3, 7]]
-    assert first.dtype == last.dtype == grid.dtype == torch.int64              # index_copy_'s indices
-    assert zeros.tolist() == [0] * 7 and none.tolist() == [-1] * 7
+    t = _piece_tables(torch.device("cpu"), pieces, 4, 64)
+    assert t.bounds.tolist() == [0, 10, 202, 394, 400, 400, 592, 600]
+    assert t.ck_rows.tolist() == [0, 1, 4, 7, 8, 8, 11] and t.first.tolist() == [0, 1, 4, 5]
+    assert t.last.tolist() == [0, 3, 4, 6] and t.grid.tolist() == [[1, 5], [2, 6], [3, 7]]
+    assert t.first.dtype == t.last.dtype == t.grid.dtype == torch.int64          # index_copy_'s indices
+    assert t.zeros.tolist() == [0] * 7 and t.no_slots.tolist() == [-1] * 7
+    assert (t.h_pieces, t.m_pieces, t.o_pieces) == ((1, 6), (2, 6), (0, 7))
+    lone = _piece_tables(torch.device("cpu"), tuple((0, s, s + 100) for s in range(0, 500, 100)), 1, 64)
+    assert (lone.h_pieces, lone.m_pieces, lone.o_pieces) == ((0, 4), (1, 4), (1, 5))
 
 # ---- GPU: what the plan resolves ----
 
