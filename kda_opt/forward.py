@@ -241,7 +241,8 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
     wuso; None: directly, or inside an NVTX range where KDA_OPT_NVTX asks for them, kda_opt/launch);
     scripts/bench_stages.py passes one that records them. kernels: the plan's table of compiled Triton
     kernels (kda_opt/launch; None: every launch through the JIT). made: stages 1–3's outputs over
-    these tokens, computed before (Prepared; a plan of one time segment, fixed-length sequences)."""
+    these tokens, computed before (Prepared; a plan of one time segment, fixed-length sequences).
+    cu_seqlens_cpu: the host copy, from which packed sequences are cut where plan.parallel_cut says."""
     ranges = nvtx_enabled()
     launch = launch or (annotated if ranges else direct)
     q, k, v, g, beta, initial_state, A_log, dt_bias = _as_read(plan, q, k, v, g, beta, initial_state, A_log, dt_bias)
@@ -264,10 +265,9 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
         final = initial_state if plan.state_pool else _final_state(plan, v) if plan.output_final_state else None
         state = dict(initial_state=initial_state, final_state=final, slots=initial_state_indices,
                      read_slots=plan.state_pool, write_slots=plan.state_pool, has_initial_state=has_initial_state)
-        cut = _cut(plan, cu_seqlens_cpu)
         if plan.parallel:
             o = _parallel(plan, q, k, v, g, beta, state, checkpoints, prepare, stage4)
-        elif cut is not None:
+        elif (cut := _cut(plan, cu_seqlens_cpu)) is not None:
             o = _parallel_packed(plan, q, k, v, g, beta, seqs, state, checkpoints, prepare, stage4, *cut)
         elif len(plan.segments) == 1:
             gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, seqs)
