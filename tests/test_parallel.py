@@ -32,6 +32,16 @@ CALLS = {
 }
 
 
+def assert_parallel_equals_one_pass(args):
+    """The call in parallel segments (PARALLEL): o and the final states within one pass's error
+    against the float64 recurrence, and close to kda_forward's own numbers (one pass there)."""
+    o, s = kda_forward(**args)
+    o_par, s_par = run_tuned(args, PARALLEL)
+    ref_o, ref_s = reference_forward(**args, method="chunked")
+    assert rel_err(o_par, ref_o) <= ERROR_FLOOR and rel_err(s_par, ref_s) <= ERROR_FLOOR
+    assert rel_err(o_par, o) <= ERROR_FLOOR and rel_err(s_par, s) <= ERROR_FLOOR
+
+
 @gpu
 @pytest.mark.parametrize("call", list(CALLS))
 def test_parallel_segments_equal_one_pass(call):
@@ -40,11 +50,7 @@ def test_parallel_segments_equal_one_pass(call):
     args = slow(random_inputs(1, 1000, 2, 128, seed=51, **CALLS[call]))
     plan = make_plan(**args, tuning=PARALLEL)
     assert plan.parallel and plan.segments == tuple((t, min(t + 192, 1000)) for t in range(0, 1000, 192))
-    o, s = kda_forward(**args)
-    o_par, s_par = run_tuned(args, PARALLEL)
-    ref_o, ref_s = reference_forward(**args, method="chunked")
-    assert rel_err(o_par, ref_o) <= ERROR_FLOOR and rel_err(s_par, ref_s) <= ERROR_FLOOR
-    assert rel_err(o_par, o) <= ERROR_FLOOR and rel_err(s_par, s) <= ERROR_FLOOR
+    assert_parallel_equals_one_pass(args)
 
 
 @gpu
@@ -138,11 +144,7 @@ def test_packed_long_sequences_cut_equal_one_pass(call):
     assert plan.packed and not plan.parallel and plan.parallel_cut is not None
     assert [n for n, _, _ in cut_sequences(args["cu_seqlens_cpu"].tolist(), plan.HV, plan.parallel_cut)] == \
         [0] + [1] * 6 + [2, 3] + [4] * 4 + [5]
-    o, s = kda_forward(**args)
-    o_par, s_par = run_tuned(args, PARALLEL)
-    ref_o, ref_s = reference_forward(**args, method="chunked")
-    assert rel_err(o_par, ref_o) <= ERROR_FLOOR and rel_err(s_par, ref_s) <= ERROR_FLOOR
-    assert rel_err(o_par, o) <= ERROR_FLOOR and rel_err(s_par, s) <= ERROR_FLOOR
+    assert_parallel_equals_one_pass(args)
 
 
 @gpu
