@@ -447,8 +447,9 @@ def _parallel_packed(plan: Plan, q, k, v, g, beta, seqs, state, checkpoints, pre
     # at h_0 (grid: [pieces, cut sequences], padded with the spare row).
     ends = merge(h[t.grid], M[t.grid[1:]], plan.state_v_first)
     starts.index_copy_(0, t.grid[1:].flatten(), ends[:-1].flatten(0, 1))
-    # Pass 3: every piece but the cut sequences' first ones from its true start: o, checkpoints, and
-    # by each last piece its sequence's final state (a dense state's row n, or its pool slot).
+    # Pass 3: every piece from the first that is not a cut sequence's first, from its true start: o,
+    # checkpoints, and by each last piece its sequence's final state (a dense state's row n, or its
+    # pool slot).
     final, pool = state["final_state"], state["write_slots"]
     slots = None
     if final is not None:
