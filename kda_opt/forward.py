@@ -241,7 +241,7 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
     wuso; None: directly, or inside an NVTX range where KDA_OPT_NVTX asks for them, kda_opt/launch);
     scripts/bench_stages.py passes one that records them. kernels: the plan's table of compiled Triton
     kernels (kda_opt/launch; None: every launch through the JIT). made: stages 1–3's outputs over
-    these tokens, computed before (Prepared; a plan of one time segment, fixed-length sequences).
+    these tokens, computed before (Prepared; a plan of one time segment, without checkpoint offsets).
     cu_seqlens_cpu: the host copy, from which packed sequences are cut where plan.parallel_cut says."""
     ranges = nvtx_enabled()
     launch = launch or (annotated if ranges else direct)
@@ -249,8 +249,9 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
     cu_seqlens = cu_seqlens if plan.packed else None        # one sequence over [0, T]: the B = 1 call
     prepare = functools.partial(_stages_1_to_3, plan, launch, kernels, A_log=A_log, dt_bias=dt_bias)
     if made is not None:
-        if plan.packed or not plan.parallel and len(plan.segments) > 1:
-            raise ValueError("stages 1–3 computed before serve fixed-length sequences in one time segment")
+        if plan.checkpoint_offsets or not plan.parallel and len(plan.segments) > 1:
+            raise ValueError("stages 1–3 computed before serve calls of one time segment, without checkpoint "
+                             "offsets")
         prepare = lambda *_: made
     stage4 = functools.partial(launch, "wuso", wuso, scale=plan.scale, block_v=plan.block_v,
                                state_v_first=plan.state_v_first, worker_warps=plan.worker_warps,
@@ -297,11 +298,11 @@ def _as_read(plan: Plan, q, k, v, g, beta, initial_state, A_log, dt_bias):
 
 
 class Prepared:
-    """A call's stages 1–3 run once, then its stage 4 from any initial state, as often as asked:
-    kda_forward's arguments without a state, pool, checkpoints or packed sequences (B ≥ 1).
-    ends(initial_state) gives (o, final state fp32) as kda_forward(..., initial_state,
+    """A call's stages 1–3 run once, then its stage 4 from any initial states, as often as asked:
+    kda_forward's arguments without a state, pool or checkpoints (B ≥ 1, or packed sequences).
+    ends(initial_state) gives (o, final states fp32) as kda_forward(..., initial_state,
     output_final_state=True) does, but for stages 1–3 (one time segment: nothing is left for them to
-    overlap); transition() the transitions M [B, HV, K, K] fp32 (module docstring, "Parallel
+    overlap); transition() the transitions M [N, HV, K, K] fp32 (module docstring, "Parallel
     segments"): each sequence's final state is M S_0 + its final state from zero for any S_0 [K, V]
     (in the K-first layout; V-first, S_0ᵀ Mᵀ). For context parallelism (kda_opt/distributed),
     where a slice of a sequence runs from zero and then from its true start."""
@@ -310,28 +311,32 @@ class Prepared:
 
     def __init__(self, q, k, v, g, beta, scale=None, **options):
         plan = make_plan(q, k, v, g, beta, scale, **options, tuning=self.TUNING)
-        if plan.packed or plan.initial_state or plan.state_pool or options.get("checkpoints") is not None:
-            raise ValueError("Prepared takes a batch of sequences without a state, pool, checkpoints or cu_seqlens")
+        if plan.initial_state or plan.state_pool or options.get("checkpoints") is not None:
+            raise ValueError("Prepared takes sequences without a state, pool or checkpoints")
         self.call = dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, **options)
+        self.cu_seqlens = options.get("cu_seqlens") if plan.packed else None
         q, k, v, g, beta, _, A_log, dt_bias = _as_read(plan, q, k, v, g, beta, None, options.get("A_log"),
                                                        options.get("dt_bias"))
         self.inputs = q, k, v, g, beta
         self.made = _stages_1_to_3(plan, annotated if nvtx_enabled() else direct, None, q, k, g, beta,
+                                   None if self.cu_seqlens is None else packed(self.cu_seqlens, plan.T),
                                    A_log=A_log, dt_bias=dt_bias)
 
     def ends(self, initial_state=None):
         plan = make_plan(**self.call, initial_state=initial_state, output_final_state=True, tuning=self.TUNING)
-        return run(plan, *self.inputs, initial_state, made=self.made)
+        return run(plan, *self.inputs, initial_state, cu_seqlens=self.cu_seqlens,
+                   cu_seqlens_cpu=self.call.get("cu_seqlens_cpu"), made=self.made)
 
     def transition(self) -> torch.Tensor:
         plan = make_plan(**self.call, tuning=Tuning(parallel=False, max_segments=1))
         q, k, v, _, _ = self.inputs
         gcum, Aqk, Tm, r, rstd = self.made
-        M = v.new_empty((plan.B, plan.HV, plan.K, plan.K), dtype=torch.float32)
+        M = v.new_empty((plan.N, plan.HV, plan.K, plan.K), dtype=torch.float32)
         wuso(q, k, v, gcum, Tm, Aqk, plan.scale, math.gcd(plan.block_v, plan.K),
              initial_state=_units(q.device, plan.HV, plan.K), read_slots=True,
-             slots=torch.zeros(plan.B, dtype=torch.int32, device=q.device), final_state=M,
-             qk_rstd=rstd, beta_residual=r, transition=True, worker_warps=plan.worker_warps)
+             slots=torch.zeros(plan.N, dtype=torch.int32, device=q.device), final_state=M,
+             cu_seqlens=self.cu_seqlens, qk_rstd=rstd, beta_residual=r, transition=True,
+             worker_warps=plan.worker_warps)
         return M
 
 

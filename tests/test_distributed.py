@@ -63,6 +63,51 @@ def test_slices_across_processes_equal_one_pass(tmp_path, world, call):
     assert all(s is None for _, s in outs[:-1])
 
 
+# Packed sequences over 300 tokens (global bounds, as FLA takes them): an empty one, one that crosses
+# every rank boundary of both splits, one that starts on a boundary of the three-rank split (100), an
+# empty one there too.
+PACKED = {"across": [0, 40, 40, 200, 230, 300], "on the boundaries": [0, 100, 100, 130, 300]}
+
+
+def packed_worker(rank, world, path, call_name, layout):
+    dist.init_process_group("gloo", init_method=f"file://{path}/pg", rank=rank, world_size=world)
+    try:
+        args = packed_inputs(CALLS[call_name], PACKED[layout])
+        bounds = [sum(SPLITS[world][:r]) for r in range(world + 1)]
+        mine = {n: x[:, bounds[rank]:bounds[rank + 1]] if n in ("q", "k", "v", "g", "beta") else x
+                for n, x in args.items()}
+        mine.pop("output_final_state")
+        o, final = kda_forward_cp(**mine, output_final_state=True, engine=Reference())
+        torch.save((o, final), f"{path}/out{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def packed_inputs(call, cu):
+    """inputs(call) with the sequences packed by cu (a state per sequence where the call has one)."""
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    args = random_inputs(1, 300, 2, 16, device="cpu", dtype=torch.float64, seed=8, seqlens=lengths,
+                         gate=call.get("gate", "preactivated"), **{k: v for k, v in call.items() if k != "gate"})
+    if "gate" not in call:
+        args["g"] = args["g"] * 0.02
+    args.pop("cu_seqlens_cpu")
+    return args
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("call", ["a state", "V-first state, l2norm, beta logits", "no state"])
+@pytest.mark.parametrize("layout", list(PACKED))
+def test_packed_slices_across_processes_equal_one_pass(tmp_path, world, call, layout):
+    """Packed sequences by their global cu_seqlens, split across ranks (a sequence crossing one or two
+    rank boundaries, one starting on a boundary, empty ones): o as the whole packed call's, and every
+    final state from the rank where its sequence ends (the ranks' rows summed)."""
+    mp.spawn(packed_worker, args=(world, str(tmp_path), call, layout), nprocs=world, join=True)
+    outs = [torch.load(tmp_path / f"out{r}.pt") for r in range(world)]
+    ref_o, ref_s = reference.reference_forward(**packed_inputs(CALLS[call], PACKED[layout]))
+    assert reference.rel_err(torch.cat([x for x, _ in outs], dim=1), ref_o) < 1e-6
+    assert reference.rel_err(sum(s for _, s in outs), ref_s) < 1e-6
+
+
 def test_merge_of_states_and_transitions():
     """forward.merge: S_0 = h_0, S_j = M_{j−1} S_{j−1} + h_j per head, K-first and V-first."""
     from kda_opt.forward import merge
@@ -76,10 +121,10 @@ def test_merge_of_states_and_transitions():
 
 
 def test_refuses_what_it_does_not_split(monkeypatch):
-    """Packed sequences, pools and checkpoints are refused before any collective."""
+    """Host copies, pools and checkpoints are refused before any collective."""
     args = inputs(CALLS["no state"])
     args.pop("output_final_state")
-    for name in ("cu_seqlens", "checkpoints", "initial_state_indices"):
+    for name in ("cu_seqlens_cpu", "checkpoints", "initial_state_indices"):
         with pytest.raises(ValueError, match=name):
             kda_forward_cp(**args, **{name: torch.zeros(1)}, engine=Reference())
     with pytest.raises(ValueError, match="B = 1"):

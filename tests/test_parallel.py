@@ -105,6 +105,23 @@ def test_slices_by_kda_opt_merged_equal_one_pass(call):
 
 
 @gpu
+def test_prepared_packed_sequences():
+    """forward.Prepared over packed sequences (a rank's part of a packed call, kda_opt/distributed):
+    ends(S0) is kda_forward's call from S0 bit for bit, and transition() each sequence's transition
+    (an empty one's I) within one pass's error of the float64 reference's."""
+    from kda_opt.distributed import ReferenceEngine
+    from kda_opt.forward import Prepared
+    args = slow(random_inputs(1, 700, 2, 128, seed=60, seqlens=(300, 0, 64, 336), initial_state=True))
+    initial = args.pop("initial_state")
+    args.pop("output_final_state")
+    prepared = Prepared(**args)
+    o, s = prepared.ends(initial)
+    o_one, s_one = kda_forward(**args, initial_state=initial, output_final_state=True)
+    assert torch.equal(o, o_one) and torch.equal(s, s_one)
+    M = prepared.transition()
+    assert M.shape[0] == 4 and rel_err(M, ReferenceEngine().prepare(args).transition()) <= ERROR_FLOOR
+
+@gpu
 def test_lone_packed_sequence_runs_as_fixed_length():
     """One packed sequence (cu_seqlens [0, T]) with its host copy: the plan of the B = 1 call
     (parallel segments at T = 65536, H = 2) and its numbers bit for bit, with a state pool,
