@@ -157,7 +157,9 @@ class _Part(NamedTuple):
                              f"got {cu[:8]}{' ...' if len(cu) > 8 else ''}")
         owner = lambda t: min(bisect.bisect_right(slices, t) - 1, len(slices) - 2)   # the rank holding token t
         t0, t1 = slices[rank], slices[rank + 1]
-        mine = [n for n in range(len(cu) - 1) if cu[n] < t1 and cu[n + 1] > t0 or cu[n] == cu[n + 1] and owner(cu[n]) == rank]
+        # Its sequences: those that meet its tokens, and the empty ones at a position it holds.
+        mine = [n for n in range(len(cu) - 1)
+                if cu[n] < t1 and cu[n + 1] > t0 or cu[n] == cu[n + 1] and owner(cu[n]) == rank]
         first, last = mine[0], mine[-1]
         bounds = [max(cu[n], t0) - t0 for n in mine] + [min(cu[last + 1], t1) - t0]
         return _Part(True, bounds, first, len(mine), len(cu) - 1, cu[first] < t0, cu[last + 1] > t1, owner(cu[first]))

@@ -542,7 +542,8 @@ def _piece_tables(device: torch.device, pieces, N: int, checkpoint_every: int) -
     host = torch.tensor([t0 for _, t0, _ in pieces] + [pieces[-1][2]] + ck_rows + first + last + [0] * P + [-1] * P
                         + grid, dtype=torch.int32)
     host = host.pin_memory() if device.type == "cuda" else host
-    bounds, ck, fst, lst, zeros, none, flat = host.to(device, non_blocking=True).split((P + 1, P, N, N, P, P, len(grid)))
+    table = host.to(device, non_blocking=True)
+    bounds, ck, fst, lst, zeros, none, flat = table.split((P + 1, P, N, N, P, P, len(grid)))
     return _Pieces(bounds, ck, fst.long(), lst.long(), flat.long().view(depth, len(cut)), zeros, none,
                    (first[cut[0]], last[cut[-1]]), (first[cut[0]] + 1, last[cut[-1]]), (rest[0], rest[-1] + 1))
 
