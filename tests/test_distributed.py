@@ -1,7 +1,8 @@
 """Context parallel across processes (kda_opt/distributed) on the CPU: 2 and 3 gloo processes, each
-with its slice of one sequence computed by the float64 reference (ReferenceEngine), against the
-reference over the whole sequence: the all_gather, the merge of the slices' states and transitions,
-the initial state on rank 0 and the final state on the last rank."""
+with its slice of one sequence, or of packed sequences by their global cu_seqlens, computed by the
+float64 reference (ReferenceEngine), against the reference over the whole call: the all_gather, the
+merge of the slices' states and transitions, the initial states where sequences begin and the final
+states where they end; and two NCCL ranks with kda_opt's kernels where two GPUs are."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -131,15 +132,17 @@ def test_refuses_what_it_does_not_split(monkeypatch):
         kda_forward_cp(**{**args, "q": torch.cat([args["q"]] * 2)}, engine=Reference())
 
 
-def test_torchrun_example_on_the_cpu():
-    """examples/context_parallel.py --cpu under torchrun with 2 processes: it runs and prints errors
-    far below the bound."""
+@pytest.mark.parametrize("packed", [False, True])
+def test_torchrun_example_on_the_cpu(packed):
+    """examples/context_parallel.py --cpu (and --packed) under torchrun with 2 processes: it runs and
+    prints errors far below the bound."""
     import re
     import subprocess
     import sys
     root = __file__.rsplit("/tests/", 1)[0]
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          f"{root}/examples/context_parallel.py", "--cpu"], capture_output=True, text=True, timeout=600)
+                          f"{root}/examples/context_parallel.py", "--cpu", *(["--packed"] if packed else [])],
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     errors = [float(x) for x in re.findall(r"(?:o|final state) ([0-9.e+-]+)", run.stdout)]
     assert len(errors) == 2 and max(errors) < 1e-6, run.stdout
