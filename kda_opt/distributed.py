@@ -107,7 +107,7 @@ def kda_forward_cp(q, k, v, g, beta, scale=None, initial_state=None, output_fina
         cu = torch.tensor(part.cu_seqlens, dtype=torch.int32)
         call.update(cu_seqlens=cu.to(q.device), cu_seqlens_cpu=cu)
     here = engine.prepare(call)
-    states = lambda first: _initial_states(part, initial_state, first, state_shape(1, HV, K, V, v_first))
+    states = lambda first: _local_initial_states(part, initial_state, first, state_shape(1, HV, K, V, v_first))
     h = q.new_zeros(state_shape(1, HV, K, V, v_first), dtype=torch.float32)   # unused where nothing continues
     o = ends = None
     if not part.continued or part.continues:
@@ -171,7 +171,7 @@ def _slices(q, group, world) -> list[int]:
     return [0, *itertools.accumulate(int(x) for x in torch.cat(sizes).tolist())]
 
 
-def _initial_states(part: _Part, initial_state, first, like_shape):
+def _local_initial_states(part: _Part, initial_state, first, like_shape):
     """A rank's local initial states: one sequence's as given (rank 0) or `first` (later ranks: None
     before the merge); packed, the rows of its sequences, the first replaced by `first` (zeros where
     None) if it is continued; None where no state is given and none is merged."""
