@@ -1,13 +1,14 @@
 """One long sequence, or packed sequences (--packed), split across processes with
-kda_opt.distributed.kda_forward_cp, checked against the whole call computed in one process.
+kda_opt.distributed.kda_forward_cp, checked against the float64 recurrence over the whole input.
 
-    torchrun --nproc-per-node 2 examples/context_parallel.py          GPUs (NCCL), kda_opt's kernels
+    torchrun --nproc-per-node 2 examples/context_parallel.py          GPUs, kda_opt's kernels (NCCL with a
+                                                                      GPU per rank, else gloo, ranks sharing them)
     torchrun --nproc-per-node 3 examples/context_parallel.py --cpu    CPU (gloo), the float64 reference
 
 Every rank builds the same inputs (one seed), keeps its slice of the tokens (slices of unequal length),
-and calls kda_forward_cp; rank 0 gathers the outputs and compares them, and the final states (from
-the last rank; packed, summed over the ranks, each from the rank where its sequence ends), with one
-call over the whole sequence, and prints the relative errors.
+and calls kda_forward_cp; rank 0 gathers the outputs and the final states (from the last rank;
+packed, summed over the ranks, each from the rank where its sequence ends) and prints their relative
+errors against the float64 recurrence, beside those of one kda_forward call over the whole input (GPUs).
 """
 import argparse
 import os
@@ -28,9 +29,12 @@ def main():
     parser.add_argument("--packed", action="store_true", help=f"sequences of {LENGTHS} tokens packed along T")
     args = parser.parse_args()
     cpu, packed = args.cpu, args.packed
-    dist.init_process_group("gloo" if cpu else "nccl")
+    # NCCL takes a GPU per rank; with fewer GPUs than ranks, gloo (through the host) lets them share.
+    shared = not cpu and torch.cuda.device_count() < int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo" if cpu or shared else "nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cpu") if cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    device = torch.device("cpu") if cpu else torch.device("cuda", local % torch.cuda.device_count())
     if not cpu:
         torch.cuda.set_device(device)
     dtype = torch.float64 if cpu else torch.bfloat16
@@ -61,13 +65,18 @@ def main():
         final_all = sum(finals) if packed else finals[-1]
         if rank == 0:
             o_all = torch.cat([x[:, :b - a] for x, a, b in zip(outs, bounds, bounds[1:])], dim=1)
-            whole = (reference.reference_forward(**seq, initial_state=h0, output_final_state=True) if cpu
-                     else kda_forward(**seq, initial_state=h0, output_final_state=True))
+            truth = reference.reference_forward(**seq, initial_state=h0, output_final_state=True)
+            errors = lambda o, s: (reference.rel_err(o, truth[0]), reference.rel_err(s, truth[1]))
+            split = errors(o_all, final_all)
+            where = "CPU float64 reference" if cpu else f"kda_opt on {torch.cuda.get_device_name()}"
             print(f"{world} ranks, slices {[b - a for a, b in zip(bounds, bounds[1:])]} tokens"
-                  f"{f', sequences of {LENGTHS}' if packed else ''}, "
-                  f"{'CPU float64 reference' if cpu else 'kda_opt on ' + torch.cuda.get_device_name()}: "
-                  f"o {reference.rel_err(o_all, whole[0]):.1e}, final state "
-                  f"{reference.rel_err(final_all, whole[1]):.1e} (relative to one call over the sequence)")
+                  f"{f', sequences of {LENGTHS}' if packed else ''}, {where}"
+                  f"{' (ranks sharing GPUs, gloo)' if shared else ''}; against the float64 recurrence: "
+                  f"o {split[0]:.1e}, final state {split[1]:.1e}", end="")
+            if not cpu:   # one call's own error, for scale
+                one = errors(*kda_forward(**seq, initial_state=h0, output_final_state=True))
+                print(f" (one call over the sequence: o {one[0]:.1e}, final state {one[1]:.1e})", end="")
+            print()
     dist.destroy_process_group()
 
 

@@ -1,8 +1,9 @@
-"""Context parallel across processes (kda_opt/distributed) on the CPU: 2 and 3 gloo processes, each
+"""Context parallel across processes (kda_opt/distributed). On the CPU: 2 and 3 gloo processes, each
 with its slice of one sequence, or of packed sequences by their global cu_seqlens, computed by the
 float64 reference (ReferenceEngine), against the reference over the whole call: the all_gather, the
 merge of the slices' states and transitions, the initial states where sequences begin and the final
-states where they end; and two NCCL ranks with kda_opt's kernels where two GPUs are."""
+states where they end. With kda_opt's kernels: gloo ranks sharing one GPU, and two NCCL ranks where
+two GPUs are, against one call on one GPU."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,7 +13,7 @@ from kda_bench.inputs import random_inputs
 from kda_opt import kda_forward, reference
 from kda_opt.distributed import ReferenceEngine as Reference, kda_forward_cp
 from kda_opt.reference import ERROR_FLOOR
-from tests.conftest import two_gpus
+from tests.conftest import gpu, two_gpus
 
 CALLS = {
     "a state": dict(initial_state=True),
@@ -132,20 +133,36 @@ def test_refuses_what_it_does_not_split(monkeypatch):
         kda_forward_cp(**{**args, "q": torch.cat([args["q"]] * 2)}, engine=Reference())
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_torchrun_example_on_the_cpu(packed):
-    """examples/context_parallel.py --cpu (and --packed) under torchrun with 2 processes: it runs and
-    prints errors far below the bound."""
+def run_example(*flags):
+    """examples/context_parallel.py under torchrun with 2 processes (on a free port): the relative
+    errors it prints, the split's o and final state first."""
     import re
     import subprocess
     import sys
     root = __file__.rsplit("/tests/", 1)[0]
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          f"{root}/examples/context_parallel.py", "--cpu", *(["--packed"] if packed else [])],
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          f"{root}/examples/context_parallel.py", *flags], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     errors = [float(x) for x in re.findall(r"(?:o|final state) ([0-9.e+-]+)", run.stdout)]
-    assert len(errors) == 2 and max(errors) < 1e-6, run.stdout
+    assert len(errors) in (2, 4), run.stdout
+    return errors
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_torchrun_example_on_the_cpu(packed):
+    """examples/context_parallel.py --cpu (and --packed) under torchrun with 2 processes: it runs and
+    prints errors far below the bound."""
+    errors = run_example("--cpu", *(["--packed"] if packed else []))
+    assert len(errors) == 2 and max(errors) < 1e-6
+
+
+@gpu
+@pytest.mark.parametrize("packed", [False, True])
+def test_torchrun_example_on_gpus(packed):
+    """The example with kda_opt's kernels (2 processes; on one GPU they share it through gloo): the
+    split's errors against the float64 recurrence within one pass's error floor, as one call's are."""
+    errors = run_example(*(["--packed"] if packed else []))
+    assert len(errors) == 4 and max(errors) <= ERROR_FLOOR, errors
 
 
 def rows_worker(rank, world, path):
@@ -177,41 +194,75 @@ def test_rows_across_ranks(tmp_path):
                                                                  (2, 300, "flashkda")]
 
 
-def nccl_worker(rank, world, path, call):
-    dist.init_process_group("nccl", init_method=f"file://{path}/pg", rank=rank, world_size=world)
+def gpu_worker(rank, world, path, backend, call, cu):
+    """A rank with kda_opt's kernels on its slice: NCCL with a GPU per rank, or gloo with every rank
+    on GPU 0 (one GPU: the collective through the host). cu: packed sequences' global bounds, or
+    None for one sequence."""
+    dist.init_process_group(backend, init_method=f"file://{path}/pg", rank=rank, world_size=world)
     try:
-        torch.cuda.set_device(rank)
-        args = nccl_inputs(call, torch.device("cuda", rank))
+        device = torch.device("cuda", rank if backend == "nccl" else 0)
+        torch.cuda.set_device(device)
+        args = gpu_inputs(call, cu, device)
         initial = args.pop("initial_state")
-        bounds = [0, 430, 1000]
+        bounds = [sum(GPU_SPLITS[world][:r]) for r in range(world + 1)]
         mine = {n: x[:, bounds[rank]:bounds[rank + 1]] if n in ("q", "k", "v", "g", "beta") else x
                 for n, x in args.items()}
         with torch.inference_mode():
-            o, final = kda_forward_cp(**mine, initial_state=initial if rank == 0 else None, output_final_state=True)
+            o, final = kda_forward_cp(**mine, initial_state=initial if rank == 0 or cu else None,
+                                      output_final_state=True)
         torch.save((o.cpu(), None if final is None else final.cpu()), f"{path}/out{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def nccl_inputs(call, device):
-    """1000 tokens at H = 2, K = V = 128 with a slow decay (tests/test_parallel.slow), in bf16."""
+GPU_SPLITS = {2: [430, 570], 3: [300, 350, 350]}   # slices of 1000 tokens
+GPU_PACKED = [0, 130, 130, 800, 900, 1000]         # one crossing every boundary of both splits, an empty one
+
+
+def gpu_inputs(call, cu, device):
+    """1000 tokens at H = 2, K = V = 128 with a slow decay (tests/test_parallel.slow), in bf16; packed
+    by cu where given (without the host copy, which kda_forward_cp does not take)."""
     from tests.test_parallel import slow
     extra = dict(l2norm=True, beta_logits=True, state_v_first=True) if call == "flashkda" else {}
-    args = slow(random_inputs(1, 1000, 2, 128, seed=53, initial_state=True, device=device, **extra))
+    seqlens = None if cu is None else [b - a for a, b in zip(cu, cu[1:])]
+    args = slow(random_inputs(1, 1000, 2, 128, seed=53, initial_state=True, device=device, seqlens=seqlens,
+                              **extra))
     args.pop("output_final_state")
+    args.pop("cu_seqlens_cpu", None)
     return args
 
 
-@two_gpus
-@pytest.mark.parametrize("call", ["a state", "flashkda"])
-def test_slices_on_two_gpus_equal_one_gpu(tmp_path, call):
-    """2 NCCL ranks on two GPUs, kda_opt's kernels on each (slices of 430 and 570 tokens): o and the
-    last rank's final state those of one call over the whole sequence on one GPU, within one
-    pass's error floor."""
-    mp.spawn(nccl_worker, args=(2, str(tmp_path), call), nprocs=2, join=True)
-    outs = [torch.load(tmp_path / f"out{r}.pt") for r in range(2)]
-    args = nccl_inputs(call, torch.device("cuda", 0))
+def check_against_one_call(path, world, call, cu):
+    """The ranks' o and final states (one sequence: the last rank's; packed: summed over the ranks)
+    against one call over the whole input on GPU 0, within one pass's error floor."""
+    outs = [torch.load(path / f"out{r}.pt") for r in range(world)]
+    args = gpu_inputs(call, cu, torch.device("cuda", 0))
     with torch.inference_mode():
         o, s = kda_forward(**args, output_final_state=True)
     assert reference.rel_err(torch.cat([x for x, _ in outs], dim=1), o.cpu()) <= ERROR_FLOOR
-    assert reference.rel_err(outs[1][1], s.cpu()) <= ERROR_FLOOR and outs[0][1] is None
+    if cu is None:
+        assert reference.rel_err(outs[-1][1], s.cpu()) <= ERROR_FLOOR
+        assert all(f is None for _, f in outs[:-1])
+    else:
+        assert reference.rel_err(sum(f for _, f in outs), s.cpu()) <= ERROR_FLOOR
+
+
+@gpu
+@pytest.mark.parametrize("world, cu", [(2, None), (3, GPU_PACKED)], ids=["2 ranks, one sequence", "3 ranks, packed"])
+@pytest.mark.parametrize("call", ["a state", "flashkda"])
+def test_ranks_sharing_one_gpu_equal_one_call(tmp_path, world, cu, call):
+    """2 and 3 gloo ranks on one GPU, kda_opt's kernels on each slice (forward.Prepared, one
+    sequence or packed ones crossing the rank boundaries): o and the final states those of one call
+    over the whole input."""
+    mp.spawn(gpu_worker, args=(world, str(tmp_path), "gloo", call, cu), nprocs=world, join=True)
+    check_against_one_call(tmp_path, world, call, cu)
+
+
+@two_gpus
+@pytest.mark.parametrize("cu", [None, GPU_PACKED], ids=["one sequence", "packed"])
+@pytest.mark.parametrize("call", ["a state", "flashkda"])
+def test_slices_on_two_gpus_equal_one_gpu(tmp_path, cu, call):
+    """2 NCCL ranks on two GPUs, kda_opt's kernels on each (slices of 430 and 570 tokens): as on one
+    GPU."""
+    mp.spawn(gpu_worker, args=(2, str(tmp_path), "nccl", call, cu), nprocs=2, join=True)
+    check_against_one_call(tmp_path, 2, call, cu)
