@@ -263,10 +263,11 @@ def check_host_copies(T, cu_seqlens_cpu, initial_state_indices_cpu, initial_stat
 def parallel_segments(T: int, N: int, HV: int, sms: int, is_packed: bool, min_tokens: int,
                       align: int = CHUNK) -> tuple[tuple[int, int], ...] | None:
     """((t0, t1), ...): a lone sequence cut into segments that run at once (module docstring,
-    "Parallel segments"), one wave of (segment, value head) programs, each segment at least
-    min_tokens and a multiple of `align` tokens but the last; None where there would be fewer than
-    three (several or packed sequences, or a short one)."""
-    count = min(sms // HV, T // min_tokens) if N == 1 and not is_packed else 0
+    "Parallel segments"), each of the three passes one wave of (segment, value head) programs (a
+    pass runs all segments but one: count − 1 ≤ SMs / HV), each segment at least min_tokens and a
+    multiple of `align` tokens but the last; None where there would be fewer than three (several or
+    packed sequences, or a short one)."""
+    count = min(sms // HV + 1, T // min_tokens) if N == 1 and not is_packed else 0
     if count < 3:
         return None
     step = -(-T // (count * align)) * align

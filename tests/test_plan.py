@@ -338,16 +338,19 @@ def test_time_segments():
 def test_parallel_segments():
     """Where a lone sequence's segments run at once (kda_opt/plan), and how: one wave of (segment,
     value head) programs, at least three segments of whole chunks (or checkpoint intervals)."""
-    assert parallel_segments(65536, 1, 16, 132, False, 2048) == tuple((t, t + 8192) for t in range(0, 65536, 8192))
+    # 9 segments: a pass runs 8 of them, 8 · 16 programs on 132 SMs.
+    assert parallel_segments(65536, 1, 16, 132, False, 2048) == tuple((t, min(t + 7296, 65536))
+                                                                      for t in range(0, 65536, 7296))
     assert parallel_segments(1000, 1, 2, 132, False, 128) == tuple((t, min(t + 192, 1000)) for t in range(0, 1000, 192))
     assert parallel_segments(1000, 1, 2, 132, False, 128, align=256) == ((0, 256), (256, 512), (512, 768), (768, 1000))
     assert parallel_segments(65536, 2, 16, 132, False, 2048) is None     # several sequences
     assert parallel_segments(65536, 1, 16, 132, True, 2048) is None      # packed
-    assert parallel_segments(65536, 1, 48, 132, False, 2048) is None     # two segments fill the SMs
+    assert len(parallel_segments(65536, 1, 44, 132, False, 2048)) == 4   # a pass: 3 · 44 programs
+    assert parallel_segments(65536, 1, 67, 132, False, 2048) is None     # one segment's programs fill the SMs
     assert parallel_segments(5000, 1, 4, 132, False, 2048) is None       # under three segments
     for T in range(6144, 300_000, 7919):
         segs = parallel_segments(T, 1, 4, 132, False, 2048)
-        assert 3 <= len(segs) <= 33 and segs[0][0] == 0 and segs[-1][1] == T
+        assert 3 <= len(segs) <= 132 // 4 + 1 and segs[0][0] == 0 and segs[-1][1] == T
         assert all(a1 == b0 and b0 % 64 == 0 for (a0, b0), (a1, _) in zip(segs, segs[1:]))
 
 
@@ -358,12 +361,12 @@ def test_cut_sequences():
     none where the longest is under the plan's bound or gives fewer than three segments."""
     cut = ParallelCut(sms=132, min_tokens=2048, align=64, longest=65536, block_v=None)
     step = parallel_segments(131072, 1, 8, 132, False, 2048)[0][1]
-    assert step == 8192
+    assert step == 7744                           # 17 segments: a pass runs 16 · 8 programs
     pieces = cut_sequences([0, 100, 131172, 131172, 141172], 8, cut)
-    assert pieces == ((0, 0, 100),) + tuple((1, t, t + step) for t in range(100, 131172, step)) + \
-        ((2, 131172, 131172), (3, 131172, 139364), (3, 139364, 141172))
+    assert pieces == ((0, 0, 100),) + tuple((1, t, min(t + step, 131172)) for t in range(100, 131172, step)) + \
+        ((2, 131172, 131172), (3, 131172, 131172 + step), (3, 131172 + step, 141172))
     assert cut_sequences([0, 60000, 70000], 8, cut) is None                        # the longest under 65536
-    assert cut_sequences([0, 5000, 70000], 48, ParallelCut(132, 2048, 64, 0, None)) is None   # two fill the SMs
+    assert cut_sequences([0, 5000, 70000], 67, ParallelCut(132, 2048, 64, 0, None)) is None   # one fills the SMs
     with_ck = cut_sequences([0, 1000, 2000], 2, ParallelCut(132, 128, 256, 0, None))
     assert with_ck == ((0, 0, 256), (0, 256, 512), (0, 512, 768), (0, 768, 1000), (1, 1000, 1256), (1, 1256, 1512),
                        (1, 1512, 1768), (1, 1768, 2000))
