@@ -114,8 +114,9 @@ def kda_forward_cp(q, k, v, g, beta, scale=None, initial_state=None, output_fina
         o, ends = here.ends(states(None))
         h = ends[-1:]
     M = here.transition()[-1:] if part.continued and part.continues and part.count == 1 else h.new_zeros((1, HV, K, K))
-    hs = _all_gather(h.float().contiguous(), group, world)
-    Ms = _all_gather(M.float().contiguous(), group, world)
+    gathered = _all_gather(torch.cat((h.float().flatten(), M.float().flatten())), group, world)   # h and M at once
+    hs = [x[:h.numel()].view(h.shape) for x in gathered]
+    Ms = [x[h.numel():].view(M.shape) for x in gathered]
     if part.continued:
         start = forward.merge(torch.cat(hs[part.origin:rank]), torch.cat(Ms[part.origin:rank])[1:], v_first)[-1:]
         o, ends = here.ends(states(start))

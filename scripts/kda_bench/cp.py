@@ -132,9 +132,10 @@ def cp_rank_rows(out_dir, shapes=CP_RANK_SHAPES, configs=("default", "flashkda")
             one_ms = in_step(whole, sync, group, device, rounds, 1, warmup)
             # The collective alone: kda_forward_cp's all_gather of each rank's fp32 state and transition.
             HV, K, V = args["v"].shape[2], head_dim, args["v"].shape[3]
-            sent = [torch.zeros(1, HV, K, n, device=device) for n in (V, K)]
-            comm_ms = in_step(lambda: [dist.all_gather([torch.empty_like(x) for _ in range(world)], x, group=group)
-                                       for x in sent], sync, group, device, rounds, 1, warmup)
+            sent = torch.zeros(HV * K * (V + K), device=device)
+            comm_ms = in_step(lambda: dist.all_gather([torch.empty_like(sent) for _ in range(world)], sent,
+                                                      group=group),
+                              sync, group, device, rounds, 1, warmup)
             (o, final), (o_all, final_all) = split(), whole()
             e_o = _slowest(rel_err(o, o_all[:, bounds[rank]:bounds[rank + 1]]), group, device)
             e_s = _slowest(rel_err(final, final_all) if rank == world - 1 else 0.0, group, device)
