@@ -525,7 +525,7 @@ class _Pieces(NamedTuple):
 
 @functools.lru_cache(maxsize=64)
 def _piece_tables(device: torch.device, pieces, N: int, checkpoint_every: int) -> _Pieces:
-    """_parallel's tables for pieces (n, t0, t1) of N sequences, at least one of them cut: checkpoint
+    """_parallel_packed's tables for pieces (n, t0, t1) of N sequences, at least one of them cut: checkpoint
     rows as packed checkpoints are laid out (sequence n's from Σ_{m<n} cdiv(len_m, checkpoint_every));
     the device ones copied from pinned memory, without waiting for the device."""
     P = len(pieces)

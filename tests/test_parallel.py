@@ -121,6 +121,7 @@ def test_prepared_packed_sequences():
     M = prepared.transition()
     assert M.shape[0] == 4 and rel_err(M, ReferenceEngine().prepare(args).transition()) <= ERROR_FLOOR
 
+
 @gpu
 def test_lone_packed_sequence_runs_as_fixed_length():
     """One packed sequence (cu_seqlens [0, T]) with its host copy: the plan of the B = 1 call

@@ -354,7 +354,6 @@ def test_parallel_segments():
         assert all(a1 == b0 and b0 % 64 == 0 for (a0, b0), (a1, _) in zip(segs, segs[1:]))
 
 
-
 def test_cut_sequences():
     """Packed sequences cut on a call (kda_opt/plan.cut_sequences): those longer than the longest's
     parallel segment into segments of its length, the others whole, every sequence's rows in order;
