@@ -10,15 +10,17 @@ are read); v [B, T, HV, V]; Γ [B, T, HV, K] fp32; Tm [B, T, HV, 64] (k's dtype)
 β's residual from stage 2: with it V' = Tm x + r ⊙ x, x taken in fp32 (Tm's diagonal, β rounded to
 16 bits, made exact; kda_opt/intra). Out: o [B, T, HV, V] in v's dtype; S [N, HV, K, V]
 fp32; both states [N, HV, V, K] if asked (state_v_first). N sequences: the B entries, or with
-cu_seqlens [N + 1] the packed sequences of the one entry (B = 1), each read through a view of its own
-rows (kda_opt/seqs); where the launcher is asked (short_sequences), those of at most one chunk are
-read and written by element offsets into the whole arrays instead, in a launch of their own
-(_one_chunk: no view, whose TMA descriptor each program writes to memory, and no loop). Optionally
+cu_seqlens [N + 1] the packed sequences of the one entry (B = 1), each read as TMA boxes at element
+coordinates on the whole arrays and o stored by element offsets (_packed_tiles: no per-sequence view,
+whose TMA descriptor each program would write to memory); where the launcher is asked
+(short_sequences), those of at most one chunk in a launch of their own, with no loop (_one_chunk). Optionally
 the state after every E chunks into a checkpoint buffer (packed, from a first checkpoint at a given
 offset: each sequence's head in a launch of its own, HEADS, then the rest, PHASED); or, in the
 transition mode, v = 0 over K state columns and no o, so that from S0 = I the final state is the
 sequence's transition M (kda_opt/forward, "Parallel segments").
-Products take 16-bit operands (fp32 inputs: fp32) with fp32 accumulation. For bf16 inputs O's Aqk V'
+Products take 16-bit operands with fp32 accumulation; for fp32 inputs tf32 ones (fp32 operands compile
+to products on the CUDA cores that spill kilobytes per thread; tf32 ones to tensor-core products, whose
+error against float64 stays below FLA's own in fp32: tests/test_forward.py). For bf16 inputs O's Aqk V'
 takes V' as hi + lo, which pays for stage 2's bf16 products (kda_opt/intra): o's error against
 float64, emulated, is 3.3e-3 with them and one rounded V', 2.9e-3 with the split, as with tf32.
 """
@@ -140,23 +142,8 @@ def _sequence(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, CK_FIRST, bos, eos
         bos = bos + min(first % C, eos - bos)
         ck_shift = CK_EVERY - first // C
     if PACKED:
-        # Every [1, T, ...] array viewed through the sequence's rows, so that chunks start at its
-        # first token and the zero padding of a tail chunk stops at its end.
-        start = min(bos, Q.shape[1] - 1)                      # a view must start inside the array
-        stop = start + eos - bos
-        Q = Q.slice(axis=1, start=start, stop=stop)
-        Kx = Kx.slice(axis=1, start=start, stop=stop)
-        Vx = Vx.slice(axis=1, start=start, stop=stop)
-        G = G.slice(axis=1, start=start, stop=stop)
-        TM = TM.slice(axis=1, start=start, stop=stop)
-        AQK = AQK.slice(axis=1, start=start, stop=stop)
-        if BETA_RESIDUAL:
-            RB = RB.slice(axis=2, start=start, stop=stop)
-        if L2NORM:
-            RSTD = RSTD.slice(axis=3, start=start, stop=stop)
-        O = O.slice(axis=1, start=start, stop=stop)
         i_b = 0
-    T = Q.shape[1]
+    T = eos - bos                                             # the sequence's tokens (after a PHASED head)
     state_order = (0, 1, 3, 2) if V_FIRST else (0, 1, 2, 3)
     # Checkpoints (the state after every CK_EVERY chunks and after the last; a row past the buffer's
     # end is dropped, _checkpoint_row) go where the compiler's schedule hides their store best
@@ -194,14 +181,14 @@ def _sequence(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, CK_FIRST, bos, eos
                 t0 = ct.where(i_blk == 0, 0, lead + (i_blk - 1) * CK_EVERY)
             for i_in in range(min(ct.where(i_blk == 0, lead, CK_EVERY) if PHASED else CK_EVERY, chunks - t0)):
                 i_t = t0 + i_in
-                S = _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, i_h, i_hv, i_v, T, chunks, scale,
-                           s_in, use_s0, ck_b, ck_row, ck_shift, K, BV, C, HAS_S0, SPLIT_V, L2NORM, V_FIRST,
-                           BETA_RESIDUAL, S0_CHECKED, False, False, CK_EVERY, TRANSITION)
+                S = _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, bos, i_h, i_hv, i_v, T, chunks,
+                           scale, s_in, use_s0, ck_b, ck_row, ck_shift, K, BV, C, HAS_S0, SPLIT_V, PACKED, L2NORM,
+                           V_FIRST, BETA_RESIDUAL, S0_CHECKED, False, False, CK_EVERY, TRANSITION)
             _checkpoint(CK, S, ck_b, row0 + i_blk, i_hv, i_v, K, BV, V_FIRST)
     else:
         for i_t in range(chunks):
-            S = _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, i_h, i_hv, i_v, T, chunks, scale, s_in,
-                       use_s0, ck_b, ck_row, ck_shift, K, BV, C, HAS_S0, SPLIT_V, L2NORM, V_FIRST,
+            S = _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, bos, i_h, i_hv, i_v, T, chunks, scale,
+                       s_in, use_s0, ck_b, ck_row, ck_shift, K, BV, C, HAS_S0, SPLIT_V, PACKED, L2NORM, V_FIRST,
                        BETA_RESIDUAL, S0_CHECKED, ck_early, ck_late, CK_EVERY, TRANSITION)
     if ck_early:                                              # the last chunk's (none if T = 0)
         last = _checkpoint_row(chunks + ck_shift, chunks + ck_shift, ck_row, CK.shape[1], CK_EVERY)
@@ -220,33 +207,23 @@ def _one_chunk(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, bos, n, i_h, i_hv
                ck_row, K: ConstInt, BV: ConstInt, C: ConstInt, HAS_S0: ConstBool, STORE_SF: ConstBool,
                SPLIT_V: ConstBool, L2NORM: ConstBool, V_FIRST: ConstBool, BETA_RESIDUAL: ConstBool,
                S0_CHECKED: ConstBool, STORE_CK: ConstBool, CK_EVERY: ConstInt, TRANSITION: ConstBool):
-    """A packed sequence of n ≤ C tokens from row bos, its one chunk: rows read and o stored by
-    element offsets into the whole [1, T, ...] arrays (rows past n as zeros, not stored), where
-    _sequence views them (a view costs the program a TMA descriptor written to memory, per array:
-    most of a short sequence's time)."""
-    dt = Q.dtype
-    row = ct.arange(C, dtype=ct.int64).reshape((C, 1))
-    tok, valid = bos + row, row < n
-    q = _slice(Q, bos, valid, i_h, 0, C, K)
-    k = _slice(Kx, bos, valid, i_h, 0, C, K)
-    g = _slice(G, bos, valid, i_hv, 0, C, K)
-    if TRANSITION:
-        v = ct.zeros((C, BV), dtype=F32)
-    else:
-        v = _slice(Vx, bos, valid, i_hv, i_v * BV, C, BV)
-    tm = _slice(TM, bos, valid, i_hv, 0, C, C)
-    aqk = _slice(AQK, bos, valid, i_hv, 0, C, C)
+    """A packed sequence of n ≤ C tokens from row bos, its one chunk (_packed_tiles), from its
+    initial state to its final state, with no loop."""
+    dt = ct.tfloat32 if Q.dtype == F32 else Q.dtype                           # products' operands
+    # A box wholly past the arrays' end is undefined: an empty sequence at the end (n = 0, none of
+    # whose rows is used) reads the last row's.
+    row0 = min(bos, Q.shape[1] - 1)
+    q, k, g, v, tm, aqk, tok, valid = _packed_tiles(Q, Kx, Vx, G, TM, AQK, row0, n, i_h, i_hv, i_v, K, BV, C,
+                                                    TRANSITION)
     last = ct.full((1, 1), bos + n - 1, dtype=ct.int64)
     g_last = _rows(G, last, last >= bos, i_hv, 0, K)                           # [1, K]; 0 where n = 0
     S = ct.zeros((K, BV), dtype=F32)
     if HAS_S0:
         S = _initial_state(S0, s_in, use_s0, i_hv, i_v, K, BV, V_FIRST, S0_CHECKED)
-    o, v_new, k_dec_t, decay = _products(S, q, k, g, v, tm, aqk, g_last, RSTD, RB, (0, i_h, 0), (0, i_hv, 0), tok,
-                                         valid, scale, dt, C, L2NORM, BETA_RESIDUAL, SPLIT_V, True)
+    o, v_new, k_dec_t, decay = _products(S, q, k, g, v, tm, aqk, g_last, RSTD, RB, (0, i_h, 0), (0, i_hv, 0),
+                                         tok, valid, scale, dt, C, L2NORM, BETA_RESIDUAL, SPLIT_V, True)
     if not TRANSITION:
-        col = ct.arange(BV, dtype=ct.int64).reshape((1, BV))
-        at = tok * O.strides[1] + i_hv * O.strides[2] + (i_v * BV + col) * O.strides[3]
-        O.get_raw_memory().store_offset(at, o.astype(O.dtype), mask=valid & (col >= 0))
+        _store_rows(O, o, tok, valid, i_hv, i_v * BV, BV)
     # With n = 0: Γ_last = 0 and k, V' zero, so S stays S0 exactly.
     S = ct.mma(k_dec_t.astype(dt), v_new, S * decay)                            # [K, BV]
     if STORE_CK:
@@ -258,13 +235,39 @@ def _one_chunk(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, bos, n, i_h, i_hv
 
 
 @ct.function
-def _slice(A, row0, valid, head, col0, R: ConstInt, W: ConstInt):
+def _packed_tiles(Q, Kx, Vx, G, TM, AQK, row0, n, i_h, i_hv, i_v, K: ConstInt, BV: ConstInt, C: ConstInt,
+                  TRANSITION: ConstBool):
+    """A packed sequence's chunk, rows row0 .. row0 + C − 1 of the whole [1, T, ...] arrays, of which the
+    first n are its own: q, k, Γ [C, K], v [C, BV] (zeros with TRANSITION), Tm, Aqk [C, C] (_slice);
+    and their token rows tok [C, 1] int64, valid [C, 1]. The rows past n are the next sequences':
+    Γ and v are zeroed there, and _products zeroes k (after its norm) and V' there, so that nothing
+    of those rows, NaN included, reaches this sequence's o or S (Tm's and Aqk's rows of this
+    sequence are zero past their diagonal; their other rows, and q's, reach only o's rows past n,
+    which are not stored). (Zeroing q, Tm and Aqk as well spilled the loop's registers.) A view of
+    the sequence's rows instead would have each program write a TMA descriptor per array into a
+    per-SM workspace outside the call's allocations (docs/DESIGN.md, "Memory safety"): most of a
+    short sequence's time, and writes compute-sanitizer reports as out of bounds."""
+    row = ct.arange(C, dtype=ct.int64).reshape((C, 1))
+    tok, valid = row0 + row, row < n
+    q = _slice(Q, row0, i_h, 0, C, K)
+    k = _slice(Kx, row0, i_h, 0, C, K)
+    g = ct.where(valid, _slice(G, row0, i_hv, 0, C, K), 0.0)
+    if TRANSITION:
+        v = ct.zeros((C, BV), dtype=F32)
+    else:
+        v = ct.where(valid, _slice(Vx, row0, i_hv, i_v * BV, C, BV), 0)
+    tm = _slice(TM, row0, i_hv, 0, C, C)
+    aqk = _slice(AQK, row0, i_hv, 0, C, C)
+    return q, k, g, v, tm, aqk, tok, valid
+
+
+@ct.function
+def _slice(A, row0, head, col0, R: ConstInt, W: ConstInt):
     """A [1, T, H, ·] array's tile [R, W] of rows row0 .. row0 + R − 1 at head `head`, columns col0 ..
     col0 + W − 1: one TMA box at element coordinates on the array's own descriptor (no view); zeros
-    where not valid [R, 1] (rows of the next sequences) and past T."""
-    tile = ct.load_advanced_indexing(A, (ct.zeros((1,), dtype=ct.int32), ct.Slice(row0, R), ct.Slice(head, 1),
+    past T."""
+    return ct.load_advanced_indexing(A, (ct.zeros((1,), dtype=ct.int32), ct.Slice(row0, R), ct.Slice(head, 1),
                                          ct.Slice(col0, W)), padding_mode=ZERO).reshape((R, W))
-    return ct.where(valid, tile, 0)
 
 
 @ct.function
@@ -277,34 +280,57 @@ def _rows(A, tok, valid, head, col0, W: ConstInt):
 
 
 @ct.function
-def _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, i_h, i_hv, i_v, T, chunks, scale, s_in, use_s0,
-           ck_b, ck_row, ck_shift, K: ConstInt, BV: ConstInt, C: ConstInt, HAS_S0: ConstBool,
-           SPLIT_V: ConstBool, L2NORM: ConstBool, V_FIRST: ConstBool, BETA_RESIDUAL: ConstBool, S0_CHECKED: ConstBool,
-           CK_EARLY: ConstBool, CK_LATE: ConstBool, CK_EVERY: ConstInt, TRANSITION: ConstBool):
-    """Chunk i_t of one program (the kernel's loop body): S after it, o stored; with CK_EARLY the state
-    entering it, with CK_LATE the state after it, stored as a checkpoint where one falls. TRANSITION:
-    v taken as zero and no o (the columns of S are the transition's, module docstring)."""
-    dt = Q.dtype
+def _store_rows(A, tile, tok, valid, head, col0, W: ConstInt):
+    """tile [R, W] into a [1, T, H, ·] array (in its dtype) at token rows tok [R, 1] (int64), head
+    `head`, columns col0 .. col0 + W − 1, by element offsets, where valid [R, 1]: a TMA box would
+    write the next sequence's rows too."""
+    col = ct.arange(W, dtype=ct.int64).reshape((1, W))
+    at = tok * A.strides[1] + head * A.strides[2] + (col0 + col) * A.strides[3]
+    A.get_raw_memory().store_offset(at, tile.astype(A.dtype), mask=valid & (col >= 0))
+
+
+@ct.function
+def _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, bos, i_h, i_hv, i_v, T, chunks, scale, s_in,
+           use_s0, ck_b, ck_row, ck_shift, K: ConstInt, BV: ConstInt, C: ConstInt, HAS_S0: ConstBool,
+           SPLIT_V: ConstBool, PACKED: ConstBool, L2NORM: ConstBool, V_FIRST: ConstBool, BETA_RESIDUAL: ConstBool,
+           S0_CHECKED: ConstBool, CK_EARLY: ConstBool, CK_LATE: ConstBool, CK_EVERY: ConstInt,
+           TRANSITION: ConstBool):
+    """Chunk i_t of one program's sequence of T tokens from row bos of entry i_b (the kernel's loop
+    body): S after it, o stored; with CK_EARLY the state entering it, with CK_LATE the state after it,
+    stored as a checkpoint where one falls. PACKED: rows read and o stored as _packed_tiles says.
+    TRANSITION: v taken as zero and no o (the columns of S are the transition's, module docstring)."""
+    dt = ct.tfloat32 if Q.dtype == F32 else Q.dtype                           # products' operands
     if HAS_S0:
         if i_t == 0:
             S = S + _initial_state(S0, s_in, use_s0, i_hv, i_v, K, BV, V_FIRST, S0_CHECKED)
-    # Rows past T (tail chunk) load as zeros, so they add nothing; the O store drops them.
-    q = ct.load(Q, index=(i_b, i_t, i_h, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
-    k = ct.load(Kx, index=(i_b, i_t, i_h, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
-    g = ct.load(G, index=(i_b, i_t, i_hv, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
-    if TRANSITION:
-        v = ct.zeros((C, BV), dtype=F32)
-    else:
-        v = ct.load(Vx, index=(i_b, i_t, i_hv, i_v), shape=(1, C, 1, BV), padding_mode=ZERO).reshape((C, BV))
-    tm = ct.load(TM, index=(i_b, i_t, i_hv, 0), shape=(1, C, 1, C), padding_mode=ZERO).reshape((C, C))
-    aqk = ct.load(AQK, index=(i_b, i_t, i_hv, 0), shape=(1, C, 1, C), padding_mode=ZERO).reshape((C, C))
     # Γ_last from its own row: a zero-padded tail row would read as Γ = 0.
-    last = min(i_t * C + C, T) - 1
-    g_last = ct.load(G, index=(i_b, last, i_hv, 0), shape=(1, 1, 1, K)).reshape((1, K))
-    o, v_new, k_dec_t, decay = _products(S, q, k, g, v, tm, aqk, g_last, RSTD, RB, (i_b, i_h, i_t), (i_b, i_hv, i_t),
-                                         None, None, scale, dt, C, L2NORM, BETA_RESIDUAL, SPLIT_V, False)
-    if not TRANSITION:
-        ct.store(O, index=(i_b, i_t, i_hv, i_v), tile=o.astype(O.dtype).reshape((1, C, 1, BV)))
+    last = bos + min(i_t * C + C, T) - 1
+    if PACKED:
+        row0 = bos + i_t * C
+        q, k, g, v, tm, aqk, tok, valid = _packed_tiles(Q, Kx, Vx, G, TM, AQK, row0, T - i_t * C, i_h, i_hv,
+                                                        i_v, K, BV, C, TRANSITION)
+        g_last = ct.load(G, index=(i_b, last, i_hv, 0), shape=(1, 1, 1, K)).reshape((1, K))
+        o, v_new, k_dec_t, decay = _products(S, q, k, g, v, tm, aqk, g_last, RSTD, RB, (i_b, i_h, 0), (i_b, i_hv, 0),
+                                             tok, valid, scale, dt, C, L2NORM, BETA_RESIDUAL, SPLIT_V, True)
+        if not TRANSITION:
+            _store_rows(O, o, tok, valid, i_hv, i_v * BV, BV)
+    else:
+        # Rows past T (tail chunk) load as zeros, so they add nothing; the O store drops them.
+        q = ct.load(Q, index=(i_b, i_t, i_h, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
+        k = ct.load(Kx, index=(i_b, i_t, i_h, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
+        g = ct.load(G, index=(i_b, i_t, i_hv, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
+        if TRANSITION:
+            v = ct.zeros((C, BV), dtype=F32)
+        else:
+            v = ct.load(Vx, index=(i_b, i_t, i_hv, i_v), shape=(1, C, 1, BV), padding_mode=ZERO).reshape((C, BV))
+        tm = ct.load(TM, index=(i_b, i_t, i_hv, 0), shape=(1, C, 1, C), padding_mode=ZERO).reshape((C, C))
+        aqk = ct.load(AQK, index=(i_b, i_t, i_hv, 0), shape=(1, C, 1, C), padding_mode=ZERO).reshape((C, C))
+        g_last = ct.load(G, index=(i_b, last, i_hv, 0), shape=(1, 1, 1, K)).reshape((1, K))
+        o, v_new, k_dec_t, decay = _products(S, q, k, g, v, tm, aqk, g_last, RSTD, RB, (i_b, i_h, i_t),
+                                             (i_b, i_hv, i_t), None, None, scale, dt, C, L2NORM, BETA_RESIDUAL,
+                                             SPLIT_V, False)
+        if not TRANSITION:
+            ct.store(O, index=(i_b, i_t, i_hv, i_v), tile=o.astype(O.dtype).reshape((1, C, 1, BV)))
     if CK_EARLY:
         _checkpoint(CK, S, ck_b, _checkpoint_row(i_t + ck_shift, chunks + ck_shift, ck_row, CK.shape[1], CK_EVERY),
                     i_hv, i_v, K, BV, V_FIRST)
@@ -317,19 +343,20 @@ def _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, i_h, i_hv, i
 
 @ct.function
 def _products(S, q, k, g, v, tm, aqk, g_last, RSTD, RB, at_qk, at_v, tok, valid, scale, dt, C: ConstInt,
-              L2NORM: ConstBool, BETA_RESIDUAL: ConstBool, SPLIT_V: ConstBool, BY_OFFSETS: ConstBool):
+              L2NORM: ConstBool, BETA_RESIDUAL: ConstBool, SPLIT_V: ConstBool, PACKED: ConstBool):
     """One chunk's products from S [K, BV] fp32 and its tiles (q, k [C, K]; Γ [C, K]; v [C, BV]; Tm,
     Aqk [C, C]; Γ_last [1, K]): o [C, BV], V' (dt), (k ⊙ 2^(Γ_last − Γ))ᵀ [K, C] and 2^Γ_last [K, 1],
     from which S ← decay·S + k_decᵀ V'. Where asked, the q/k norms (RSTD [2, B, H, T]) and β's
     residual (RB [B, HV, T]) are read here, where the chunk uses them (loaded with the other tiles,
-    they cost FlashKDA's call 1.5–3 %): at (b, head, chunk) at_qk and at_v, or with BY_OFFSETS at
-    token rows tok [C, 1] where valid [C, 1] of (0, head, 0)."""
+    they cost FlashKDA's call 1.5–3 %): at (b, head, chunk) at_qk and at_v, or, PACKED (the tiles
+    _packed_tiles'), at (0, head) and token rows tok [C, 1] by element offsets, k and V' then zeroed
+    where not valid [C, 1]."""
     kf = k.astype(F32)
     qf = q.astype(F32)
     if L2NORM:
         # FLA's l2norm per row (use_qk_l2norm_in_kernel), with stage 2's norms: a row reduction
         # here would sit on the chunk's dependency chain.
-        if BY_OFFSETS:
+        if PACKED:
             at = at_qk[1] * RSTD.strides[2] + tok * RSTD.strides[3]
             rq = RSTD.get_raw_memory().load_offset(at, mask=valid)
             rk = RSTD.get_raw_memory().load_offset(at + RSTD.strides[0], mask=valid)
@@ -339,6 +366,8 @@ def _products(S, q, k, g, v, tm, aqk, g_last, RSTD, RB, at_qk, at_v, tok, valid,
             rk = ct.load(RSTD, index=(1, b, h, t), shape=(1, 1, 1, C), padding_mode=ZERO).reshape((C, 1))
         qf = qf * rq
         kf = kf * rk
+    if PACKED:
+        kf = ct.where(valid, kf, 0.0)
     # ftz: gates drive 2^Γ into subnormals, which are worth nothing next to the state.
     eg = ct.exp2(g, flush_to_zero=True)                                          # [C, K]
     s_op = S.astype(dt)                                                          # [K, BV]
@@ -347,13 +376,15 @@ def _products(S, q, k, g, v, tm, aqk, g_last, RSTD, RB, at_qk, at_v, tok, valid,
     # torch emulation of both orders, bf16 and fp32, agreed to two digits).
     x = ct.mma((kf * -eg).astype(dt), s_op, v.astype(F32))                     # v − (2^Γ ⊙ k) S
     if BETA_RESIDUAL:
-        if BY_OFFSETS:
+        if PACKED:
             r = RB.get_raw_memory().load_offset(at_v[1] * RB.strides[1] + tok * RB.strides[2], mask=valid)
         else:
             r = ct.load(RB, index=at_v, shape=(1, 1, C), padding_mode=ZERO).reshape((C, 1))
         v_f32 = ct.mma(tm.astype(dt), x.astype(dt), r * x)                      # V' [C, BV]
     else:
         v_f32 = ct.mma(tm.astype(dt), x.astype(dt), ct.zeros(x.shape, dtype=F32))
+    if PACKED:
+        v_f32 = ct.where(valid, v_f32, 0.0)
     v_new = v_f32.astype(dt)
     o = ct.mma((qf * eg * scale).astype(dt), s_op, ct.zeros(x.shape, dtype=F32))
     if SPLIT_V:
@@ -418,7 +449,8 @@ def block_v_for(programs: int, V: int, sms: int, dtype: torch.dtype) -> int:
     (the exp2 work of the chunk, repeated per V block, then dominates)."""
     fits = [bv for bv in BLOCK_V_CHOICES if bv <= V and V % bv == 0]
     if dtype == torch.float32:
-        # fp32 products run on CUDA cores (no fp32 wgmma) and already spill at the narrowest block.
+        # fp32 inputs: tf32 mma.sync products (no wgmma), whose registers spill a little at the
+        # narrowest block and kilobytes at the wider ones (sm_90 cubins).
         return fits[0]
     return next((bv for bv in fits if programs * (V // bv) <= sms), fits[-1])
 

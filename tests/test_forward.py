@@ -376,6 +376,31 @@ def test_forward_ill_conditioned_chunks(gate, neg_eigval, seqlens):
     assert ours[0] <= fla[0] and ours[1] <= fla[1], (ours, fla)
 
 
+FP32_CALLS = {
+    "safe": lambda: random_inputs(2, 1000, 4, 128, dtype=torch.float32, initial_state=True, seed=3),
+    "softplus": lambda: random_inputs(2, 1000, 4, 128, gate="softplus", dtype=torch.float32, initial_state=True,
+                                      seed=3),
+    "packed, FlashKDA's options": lambda: random_inputs(1, 1000, 4, 128, seqlens=[130, 1, 600, 269], l2norm=True,
+                                                        beta_logits=True, dtype=torch.float32, initial_state=True),
+    "ill-conditioned safe": lambda: ill_conditioned_inputs(1, 640, 4, 128, gate="safe", seed=5, dtype=torch.float32),
+    "ill-conditioned softplus": lambda: ill_conditioned_inputs(1, 640, 4, 128, gate="softplus", seed=5,
+                                                               dtype=torch.float32),
+}
+
+
+@gpu
+@pytest.mark.parametrize("call", list(FP32_CALLS))
+def test_fp32_as_accurate_as_fla(call):
+    """fp32 q, k, v (stage 4's products in tf32): o and the final state at most FLA's own fp32 error
+    against the float64 recurrence, ill-conditioned chunks included (16-bit products would not be)."""
+    args = FP32_CALLS[call]()
+    ref_o, ref_s = reference_forward(**args, method="chunked")
+    o, s = kda_forward(**args)
+    fla_o, fla_s = fla_chunk_kda()(**args)
+    ours, fla = (rel_err(o, ref_o), rel_err(s, ref_s)), (rel_err(fla_o, ref_o), rel_err(fla_s, ref_s))
+    assert o.dtype == torch.float32 and ours[0] <= fla[0] and ours[1] <= fla[1], (ours, fla)
+
+
 # ---- GPU: the plan's compiled kernels (kda_opt/launch) ----
 
 @gpu
