@@ -28,6 +28,7 @@ the longest is long enough (ParallelCut, cut_sequences): the plan, made once per
 hold lengths that change from call to call.
 """
 import math
+import numbers
 import operator
 import warnings
 from dataclasses import dataclass
@@ -118,6 +119,7 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         warnings.warn("transpose_state_layout is deprecated; its name is now state_v_first",
                       DeprecationWarning, stacklevel=3)
         state_v_first = bool(transpose_state_layout)
+    scale = None if scale is None else _scale(scale)
     pool = initial_state_indices is not None or initial_state_indices_cpu is not None
     N = _validate(q, k, v, g, beta, None if pool else initial_state, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
                   dt_bias=dt_bias, safe_gate=safe_gate, lower_bound=lower_bound,
@@ -152,7 +154,7 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                                             else V, sms, q.dtype)
     return Plan(
         B=B, T=T, H=H, K=K, HV=HV, V=V, N=N, dtype=q.dtype,
-        scale=K ** -0.5 if scale is None else float(scale),
+        scale=K ** -0.5 if scale is None else scale,
         gate=GateConfig(in_kernel=use_gate_in_kernel, lower_bound=lower_bound, safe_gate=safe_gate),
         l2norm=use_qk_l2norm_in_kernel,
         beta_sigmoid=(2.0 if allow_neg_eigval else 1.0) if use_beta_sigmoid_in_kernel else None,
@@ -313,6 +315,15 @@ def time_segments(T: int, N: int, programs: int, sms: int, is_packed: bool, segm
     count = min(max_segments, T // segment_tokens)
     step = -(-T // (count * align)) * align
     return tuple((t0, min(t0 + step, T)) for t0 in range(0, T, step))
+
+
+def _scale(scale) -> float:
+    """scale as a float: a finite real number (a bool is not one)."""
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number (None for K ** -0.5), got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return float(scale)
 
 
 def _validate(q, k, v, g, beta, initial_state, *, use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound,

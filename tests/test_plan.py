@@ -139,6 +139,11 @@ BAD_INPUTS = {
             g=torch.randn(1, 200, 2, 64), beta=torch.rand(1, 200, 2), cu_seqlens=torch.tensor([0, 129, 200]),
             cu_seqlens_cpu=torch.tensor([0, 129, 200]), checkpoint_every=128, checkpoints=torch.zeros(1, 2, 2, 64, 64))),
     }.items()},
+    "scale a string": (TypeError, "scale must be a real number", dict(scale="x")),
+    "scale a tensor": (TypeError, "scale must be a real number", dict(scale=torch.tensor(0.5))),
+    "scale True": (TypeError, "scale must be a real number", dict(scale=True)),
+    "scale NaN": (ValueError, "scale must be finite", dict(scale=float("nan"))),
+    "scale infinite": (ValueError, "scale must be finite", dict(scale=-float("inf"))),
     "q requires grad": (RuntimeError, "forward-only.*q require grad", dict(q=torch.randn(1, 8, 2, 64, requires_grad=True))),
     "A_log a parameter": (RuntimeError, "A_log require grad", dict(A_log=torch.nn.Parameter(torch.randn(2)))),
 }
