@@ -1,0 +1,95 @@
+"""One small call of every launch path, for compute-sanitizer (tests/test_sanitizer.py runs this file
+under each of its tools): `python tests/sanitizer_calls.py [NAME ...]` makes the calls named (all of
+them without names), each followed by a read of every element it returns (o, final states: initcheck
+then reports one never written), and prints `call NAME` before each, so that the sanitizer's report
+shows which call an error came from. Run with PYTORCH_NO_CUDA_MEMORY_CACHING=1, so that every tensor
+is an allocation of its own and an access past one is outside it."""
+import sys
+
+import torch
+
+from kda_bench.inputs import random_inputs
+from kda_opt import kda_forward
+from kda_opt.forward import RUN_TENSORS, Prepared, run
+from kda_opt.plan import Tuning, make_plan
+
+H, K = 2, 128
+MIXED = [1, 63, 64, 65, 7, 130, 0, 200]      # short and long packed sequences, an empty one
+TIME_SEGMENTS = Tuning(segment_tokens=128)
+PARALLEL = Tuning(parallel=True, parallel_tokens=128)
+
+
+def tuned(args, tuning):
+    return run(make_plan(**args, tuning=tuning), **{n: args.get(n) for n in RUN_TENSORS})
+
+
+def pool_call(lens, slots, rows, v_first=False, dtype=torch.float32, has=None, **call):
+    """A packed call on a pool of `rows` rows (each padded by 16 elements) at `slots`."""
+    args = random_inputs(1, sum(lens), H, K, seqlens=lens, output_final_state=False, state_v_first=v_first, **call)
+    pool = torch.randn(rows, H * K * K + 16, device="cuda").to(dtype)[:, :H * K * K].view(rows, H, K, K)
+    args.update(initial_state=pool, initial_state_indices=torch.tensor(slots, device="cuda"))
+    if has is not None:
+        args["has_initial_state"] = torch.tensor(has, device="cuda")
+    return args
+
+
+def checkpointed(lens, every, ck_dtype=torch.float32, offsets=None, **call):
+    args = random_inputs(1, sum(lens), H, K, seqlens=lens, initial_state=True, **call)
+    rows = sum(-(-n // every) + 1 for n in lens)
+    args.update(checkpoints=torch.empty(1, rows, H, K, K, device="cuda", dtype=ck_dtype), checkpoint_every=every)
+    if offsets is not None:
+        args["checkpoint_offsets"] = torch.tensor(offsets, device="cuda")
+    return args
+
+
+CALLS = {
+    "dense": lambda: kda_forward(**random_inputs(2, 200, H, K, output_final_state=False)),
+    "dense, a state": lambda: kda_forward(**random_inputs(2, 200, H, K, initial_state=True)),
+    "dense, a V-first state": lambda: kda_forward(**random_inputs(2, 200, H, K, initial_state=True,
+                                                                   state_v_first=True)),
+    "packed short": lambda: kda_forward(**random_inputs(1, 135, H, K, seqlens=[1, 63, 7, 64], initial_state=True)),
+    "packed long": lambda: kda_forward(**random_inputs(1, 395, H, K, seqlens=[130, 65, 200], initial_state=True)),
+    "packed mixed, FlashKDA's call": lambda: kda_forward(**random_inputs(
+        1, sum(MIXED), H, K, seqlens=MIXED, initial_state=True, l2norm=True, beta_logits=True, state_v_first=True)),
+    "pool, −1 and out-of-range slots": lambda: kda_forward(**pool_call(
+        MIXED, [5, -1, 0, 9, 2, 3, 1, -1], 6, has=[True, True, False, True, True, True, False, True])),
+    "pool, V-first bf16": lambda: kda_forward(**pool_call(MIXED, [5, -1, 0, 2, 4, 3, 1, 6], 7, v_first=True,
+                                                          dtype=torch.bfloat16)),
+    "pool of one row, slot 0": lambda: kda_forward(**pool_call([130], [0], 1)),
+    "pool of one row, slot −1": lambda: kda_forward(**pool_call([130, 5], [-1, -1], 1, v_first=True)),
+    "checkpoints every chunk": lambda: kda_forward(**checkpointed(MIXED, 64, state_v_first=True)),
+    "checkpoints every 128 tokens, bf16": lambda: kda_forward(**checkpointed(MIXED, 128, torch.bfloat16)),
+    "checkpoints every 512 tokens, V-first": lambda: kda_forward(**checkpointed([700, 30, 1100], 512,
+                                                                                state_v_first=True)),
+    "checkpoints at offsets": lambda: kda_forward(**checkpointed(MIXED, 128, offsets=[1, 5, 64, 100, 3, 128, 7, 70],
+                                                                 state_v_first=True)),
+    "time segments": lambda: tuned(random_inputs(1, 600, H, K, initial_state=True), TIME_SEGMENTS),
+    "parallel segments": lambda: tuned(random_inputs(1, 1000, H, K, initial_state=True, state_v_first=True),
+                                       PARALLEL),
+    "parallel segments, packed": lambda: tuned(pool_call([700, 30, 0, 900, 5], [3, 0, -1, 1, 2], 4), PARALLEL),
+    "context-parallel transition": lambda: (Prepared(**{n: x for n, x in random_inputs(
+        1, 395, H, K, seqlens=[130, 65, 200]).items() if n != "output_final_state"}).transition(),),
+    "fp16": lambda: kda_forward(**random_inputs(1, 200, H, K, dtype=torch.float16, initial_state=True)),
+    "fp32": lambda: kda_forward(**random_inputs(1, 200, H, K, dtype=torch.float32, initial_state=True)),
+    "fp32 packed": lambda: kda_forward(**random_inputs(1, 395, H, K, seqlens=[130, 65, 200], dtype=torch.float32,
+                                                       initial_state=True)),
+    "grouped value heads": lambda: kda_forward(**random_inputs(1, 200, H, K, HV=2 * H, initial_state=True)),
+    "K = V = 64, packed": lambda: kda_forward(**random_inputs(1, sum(MIXED), H, 64, seqlens=MIXED,
+                                                              initial_state=True, gate="softplus")),
+}
+
+
+def main(names):
+    for name in names or CALLS:
+        print(f"call {name}", flush=True)
+        outputs = CALLS[name]()
+        # Every element of what the call returns read once (initcheck: an element never written).
+        for x in outputs:
+            if x is not None:
+                x.float().sum().item()
+    torch.cuda.synchronize()
+    print(f"calls done: {len(names or CALLS)}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
