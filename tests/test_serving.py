@@ -496,3 +496,79 @@ def test_views_of_a_fused_projection(call):
         o, s = kda_forward(**args)
         o_v, s_v = kda_forward(**{**args, **views})
         assert torch.equal(o_v, o) and torch.equal(s_v, s)
+
+
+SENTINEL = -1234.5
+
+
+def guarded(rows, row_shape, dtype, gen, margin=4096):
+    """A buffer [rows, *row_shape] of random rows, each padded by 16 elements, inside a larger
+    allocation whose first and last `margin` elements hold SENTINEL: (buffer, allocation)."""
+    row = row_shape.numel() + 16
+    alloc = torch.full((2 * margin + rows * row,), SENTINEL, dtype=dtype, device="cuda")
+    body = alloc[margin:margin + rows * row].view(rows, row)
+    body.copy_(torch.randn(rows, row, generator=gen).to(dtype))
+    return body[:, :row_shape.numel()].view(rows, *row_shape), alloc
+
+
+def bits(x):
+    """x's bits, so that equal means bit-identical (NaN too)."""
+    return x.view({4: torch.int32, 2: torch.int16}[x.element_size()])
+
+
+@gpu
+@pytest.mark.parametrize("seed", range(6))
+def test_guard_bands(seed):
+    """Every buffer a call writes in place (the state pool, the checkpoint buffer) inside a larger
+    allocation with sentinel margins: random calls over the launch paths (packed mixes with short,
+    long and empty sequences; −1 and out-of-range slots; pools of one row; both layouts, fp32 and bf16;
+    has_initial_state; checkpoints every chunk, every few chunks and at offsets; one pass, time
+    segments, parallel segments) leave the margins, the rows' padding, every pool row not named and
+    every checkpoint row past those of the call bit for bit as they were."""
+    gen = torch.Generator().manual_seed(seed)
+    pick = lambda options: options[torch.randint(len(options), (1,), generator=gen).item()]
+    H, K = 2, 128
+    for call in range(4):
+        lens = [pick([0, 1, 17, 63, 64, 65, 130, 200, 400]) for _ in range(pick([1, 2, 5]))]
+        if sum(lens) == 0:
+            lens[0] = 70
+        config = CALLS[pick(list(CALLS))]
+        N, v_first = len(lens), config.get("state_v_first", pick([False, True]))
+        args = random_inputs(1, sum(lens), H, K, seqlens=lens, seed=100 * seed + call, output_final_state=False,
+                             **{**config, "state_v_first": v_first})
+        rows = pick([1, N + 3])
+        state_shape = torch.Size((H, K, K))
+        pool, pool_alloc = guarded(rows, state_shape, pick([torch.float32, torch.bfloat16]), gen)
+        slots = torch.randperm(rows, generator=gen).tolist()[:N] + [-1] * N
+        slots = [pick([s, -1, rows + 2]) for s in slots[:N]]
+        call_args = {**args, "initial_state": pool, "initial_state_indices": torch.tensor(slots, device="cuda"),
+                     "has_initial_state": torch.rand(N, generator=gen).lt(0.7).to("cuda")}
+        tuning = pick([Tuning(), Tuning(segment_tokens=128), Tuning(parallel=True, parallel_tokens=128)])
+        every = pick([None, 64, 128, 256])
+        ck_alloc = None
+        if every is not None:
+            offsets = pick([None, [int(torch.randint(1, every + 1, (1,), generator=gen)) for _ in lens]])
+            if offsets is None:
+                used = sum(-(-n // every) for n in lens)
+            else:
+                used = sum(0 if n == 0 else 1 + -(-max(n - f, 0) // every) for n, f in zip(lens, offsets))
+                call_args["checkpoint_offsets"] = torch.tensor(offsets, device="cuda")
+                tuning = Tuning()
+            ck, ck_alloc = guarded(used + 3, state_shape, pick([torch.float32, torch.bfloat16]), gen)
+            call_args.update(checkpoints=ck.unsqueeze(0), checkpoint_every=every)
+        before = {"pool": bits(pool_alloc).clone(), "ck": None if ck_alloc is None else bits(ck_alloc).clone()}
+        tuned(call_args, tuning)
+        torch.cuda.synchronize()
+        kept = [r for r in range(rows) if r not in slots]
+        row_elems = state_shape.numel() + 16
+        after = bits(pool_alloc)
+        body = lambda x: x[4096:-4096].view(rows, row_elems)
+        assert torch.equal(after[:4096], before["pool"][:4096]) and torch.equal(after[-4096:], before["pool"][-4096:])
+        assert torch.equal(body(after)[kept], body(before["pool"])[kept]), (lens, slots)
+        assert torch.equal(body(after)[:, -16:], body(before["pool"])[:, -16:])
+        if ck_alloc is not None:
+            after, old = bits(ck_alloc), before["ck"]
+            assert torch.equal(after[:4096], old[:4096]) and torch.equal(after[-4096:], old[-4096:])
+            ck_rows = lambda x: x[4096:-4096].view(-1, row_elems)
+            assert torch.equal(ck_rows(after)[-3:], ck_rows(old)[-3:]) and torch.equal(ck_rows(after)[:, -16:],
+                                                                                        ck_rows(old)[:, -16:])
