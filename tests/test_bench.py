@@ -244,6 +244,9 @@ def test_sweep_rows():
     assert peers[7:] == [mix6, mix8, short32, short96, lognormal96] and set(peers[:7]) <= set(cases[:per_gate])
     short = bench.sweep_cases(bench.parse_args(["--sweep-rows", "short", "--sweep-gates", "safe"]))
     assert short == [short32, short96, lognormal96]
+    dtypes = bench.sweep_cases(bench.parse_args(["--sweep-rows", "dtypes", "--sweep-gates", "safe"]))
+    assert [(c.B, c.T, c.H, c.dtype) for c in dtypes] == [(1, 8192, 96, torch.bfloat16), (1, 8192, 96, torch.float32)]
+    assert dtypes[0] == cases[0] and dtypes[1].tag.endswith("_fp32")
 
 
 def test_sweep_in_flashkda_configuration():
@@ -280,9 +283,18 @@ def test_rows_of_an_older_csv_merge_with_new_rows(tmp_path):
         ("default", 1.43, bench.NOT_RUN), ("flashkda", 1.5, 1.47)]
     bench.write_csv(merged, path)
     rows = list(csv.DictReader(open(path)))
-    assert [(r["config"], r["flashkda_ms"], r["fla_flash_kda"]) for r in rows] == [
-        ("default", "n/a", "0"), ("flashkda", "1.4700", "0")]
+    assert [(r["config"], r["flashkda_ms"], r["fla_flash_kda"], r["dtype"]) for r in rows] == [
+        ("default", "n/a", "0", "bf16"), ("flashkda", "1.4700", "0", "bf16")]
     bench.print_table(merged)
+
+
+def test_rows_of_another_dtype_are_rows_of_their_own():
+    """The dtype column keys a row: an fp32 row beside the bf16 one of the same case."""
+    row = dict(B=1, T=8192, H=96, K=128, V=128, mode="safe", varlen=0, config="default", initial_state=1,
+               decay="fast", fla_ms=2.9, kda_opt_ms=1.4, speedup=2.07, tbps=0.7, tflops=99.0, bytes_floor_pct=24.0,
+               flops_floor_pct=14.0, fla_flash_kda="0")
+    merged = bench.merge_rows([row], [dict(row, dtype="fp32", kda_opt_ms=2.5)])
+    assert [(r["dtype"], r["kda_opt_ms"]) for r in merged] == [("bf16", 1.4), ("fp32", 2.5)]
 
 
 def test_flashkda_call_and_refusals(monkeypatch):

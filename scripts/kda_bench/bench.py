@@ -28,6 +28,7 @@ from . import peers, serving
 from .inputs import DECAYS, random_inputs
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
 # Call configurations: how random_inputs draws the arguments every system gets.
 CONFIGS = {
     "default": {},
@@ -80,6 +81,7 @@ class Case:
         extra += f" {self.config}" if self.config != "default" else ""
         extra += "" if self.initial_state else " no-initial-state"
         extra += f" decay={self.decay}" if self.decay != "fast" else ""
+        extra += f" {DTYPE_NAMES[self.dtype]}" if self.dtype != torch.bfloat16 else ""
         return f"B={self.B} T={self.T} H={self.H} K=V={self.K} {self.gate}{extra}"
 
     @property
@@ -89,7 +91,8 @@ class Case:
                 + (f"_varlen{len(self.seqlens)}" if self.seqlens else "")
                 + (f"_{self.config}" if self.config != "default" else "")
                 + ("" if self.initial_state else "_nostate")
-                + (f"_{self.decay}" if self.decay != "fast" else ""))
+                + (f"_{self.decay}" if self.decay != "fast" else "")
+                + (f"_{DTYPE_NAMES[self.dtype]}" if self.dtype != torch.bfloat16 else ""))
 
     def trimmed(self, T):
         """The case cut to its first T tokens (packed: the first sequences, the last one cut)."""
@@ -150,11 +153,13 @@ def parse_args(argv=None):
     p.add_argument("--sweep-gates", help="gate modes the sweep runs (default safe,softplus; safe with "
                                          "--config flashkda); its rows replace those of the same case "
                                          "in an existing CSV, so a sweep can be run in parts")
-    p.add_argument("--sweep-rows", choices=["all", "shapes", "serving", "peers", "short", "step"], default="all",
+    p.add_argument("--sweep-rows", choices=["all", "shapes", "serving", "peers", "short", "step", "dtypes"],
+                   default="all",
                    help="which of the sweep's rows run: all; shapes (fixed-length SWEEP_SHAPES); serving "
                         "(the packed mixes and the l2norm row); peers (the peers' rows: PEER_SHAPES, then "
                         "PEER_PACKED); short (the many-short-sequence mixes alone, SHORT_MIXES); step (the "
-                        "serving step with a state pool, SERVING_STEPS: kda_bench/serving)")
+                        "serving step with a state pool, SERVING_STEPS: kda_bench/serving); dtypes (the "
+                        "default shape with bf16 and with fp32 q, k, v: --dtype is then not used)")
     p.add_argument("--out-dir", default="profiles", help="where --sweep and --test host write their CSV (and PNG)")
     args = p.parse_args(argv)
     if args.chunk_size != 64:
@@ -248,6 +253,8 @@ def sweep_cases(args):
             cases += mixes(SHORT_MIXES)
         if args.sweep_rows == "step":
             cases += [dataclasses.replace(c, config="serving") for c in mixes(SERVING_STEPS)]
+        if args.sweep_rows == "dtypes":
+            cases += [at(dtype=dtype) for dtype in (torch.bfloat16, torch.float32)]
     return cases
 
 
@@ -360,7 +367,7 @@ def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
     nbytes, flops = min_bytes(c), min_flops(c)
     cost = lambda base, over: 100 * (ms[over] / ms[base] - 1) if base in ms and over in ms else NOT_RUN
     row = dict(B=c.B, T=c.T, H=c.H, K=c.K, V=c.K, mode=c.gate, varlen=len(c.seqlens or ()), config=c.config,
-               initial_state=int(c.initial_state), decay=c.decay,
+               initial_state=int(c.initial_state), decay=c.decay, dtype=DTYPE_NAMES[c.dtype],
                fla_ms=ms["fla"], kda_opt_ms=ours_ms, speedup=ms["fla"] / ours_ms,
                kda_opt_no_state_ms=ms.get("kda_opt_no_state", NOT_RUN),
                state_cost_pct=cost("kda_opt_no_state", "kda_opt"),
@@ -394,7 +401,8 @@ def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
 # ---- sweep output ----
 
 # varlen: sequences packed along T (0: a fixed-length batch of B); config: a key of CONFIGS;
-# initial_state: 1 where every system got one; decay: inputs.DECAYS; kda_opt_no_state_ms /
+# initial_state: 1 where every system got one; decay: inputs.DECAYS; dtype: q, k and v's (DTYPES: every
+# system got the same tensors; FLA computes fp32 in its own precision); kda_opt_no_state_ms /
 # state_cost_pct: kda_forward without the state, and what the state costs it (NOT_RUN without one);
 # flashkda_ms / speedup_vs_flashkda: NOT_RUN where FlashKDA cannot compute the case; fla_flash_kda:
 # FLA_FLASH_KDA as FLA saw it ("0": FLA on its own Triton path). Serving-step rows (config serving,
@@ -403,16 +411,16 @@ def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
 # kda_opt_ckpt_ms / ckpt_cost_pct: the pool call with checkpoints after every chunk, and what they add.
 # kda_opt_ckpt_every_ms / ckpt_every_cost_pct (FlashKDA's configuration with a state): the call with
 # fp32 V-first checkpoints every CHECKPOINT_EVERY tokens, and what they add.
-CSV_FIELDS = ["B", "T", "H", "K", "V", "mode", "varlen", "config", "initial_state", "decay", "fla_ms",
+CSV_FIELDS = ["B", "T", "H", "K", "V", "mode", "varlen", "config", "initial_state", "decay", "dtype", "fla_ms",
               "kda_opt_ms", "speedup", "kda_opt_no_state_ms", "state_cost_pct", "flashkda_ms",
               "speedup_vs_flashkda", "tbps", "tflops", "bytes_floor_pct", "flops_floor_pct", "fla_flash_kda",
               "kda_opt_dense_ms", "pool_cost_pct", "kda_opt_ckpt_ms", "ckpt_cost_pct", "kda_opt_ckpt_every_ms",
               "ckpt_every_cost_pct"]
-ROW_KEY = ("B", "T", "H", "K", "mode", "varlen", "config", "initial_state", "decay")
+ROW_KEY = ("B", "T", "H", "K", "mode", "varlen", "config", "initial_state", "decay", "dtype")
 # Rows of CSVs written before these columns existed: fixed-length batches in the default
 # configuration, no initial state, A_log and dt_bias ~ 0.5·N(0, 1), FlashKDA not timed, FLA on its
-# Triton path (the CLI has set FLA_FLASH_KDA=0 since its first version).
-ROW_DEFAULTS = {"varlen": 0, "config": "default", "initial_state": 0, "decay": "0.5N(0,1)",
+# Triton path (the CLI has set FLA_FLASH_KDA=0 since its first version), bf16 q, k and v.
+ROW_DEFAULTS = {"varlen": 0, "config": "default", "initial_state": 0, "decay": "0.5N(0,1)", "dtype": "bf16",
                 "kda_opt_no_state_ms": NOT_RUN, "state_cost_pct": NOT_RUN, "flashkda_ms": NOT_RUN,
                 "speedup_vs_flashkda": NOT_RUN, "fla_flash_kda": "0", "kda_opt_dense_ms": NOT_RUN,
                 "pool_cost_pct": NOT_RUN, "kda_opt_ckpt_ms": NOT_RUN, "ckpt_cost_pct": NOT_RUN,
@@ -472,7 +480,7 @@ def merge_rows(old, new):
     merged = {key(r): r for r in ({**ROW_DEFAULTS, **r} for r in old)}
     merged.update({key(r): r for r in ({**ROW_DEFAULTS, **r} for r in new)})
     return sorted(merged.values(), key=lambda r: (r["config"], r["mode"], -r["initial_state"], str(r["decay"]),
-                                                  r["varlen"], r["H"], r["B"], r["T"]))
+                                                  r["varlen"], r["H"], r["B"], r["T"], r["dtype"]))
 
 
 def write_csv(rows, path):
@@ -606,11 +614,12 @@ def main(argv=None) -> int:
 def print_table(rows):
     fmt = lambda v, spec, unit="": (format(v, spec) + unit if isinstance(v, float)
                                     else f"{v:>{spec.split('.')[0].lstrip('+')}}" + " " * len(unit))
-    print(f"\n{'B':>2} {'T':>6} {'H':>3} {'mode':>8} {'varlen':>6} {'config':>8} {'S0':>2} {'FLA ms':>8} {'ours ms':>8} "
+    print(f"\n{'B':>2} {'T':>6} {'H':>3} {'mode':>8} {'varlen':>6} {'config':>8} {'S0':>2} {'dtype':>5} {'FLA ms':>8} {'ours ms':>8} "
           f"{'speedup':>7} {'S0 cost':>7} {'FlashKDA':>8} {'× FKDA':>7} {'TB/s':>5} {'TFLOP/s':>7}")
     for r in rows:
         r = {**ROW_DEFAULTS, **r}
         print(f"{r['B']:>2} {r['T']:>6} {r['H']:>3} {r['mode']:>8} {r['varlen']:>6} {r['config']:>8} {r['initial_state']:>2} "
+              f"{r['dtype']:>5} "
               f"{r['fla_ms']:>8.3f} {r['kda_opt_ms']:>8.3f} {r['speedup']:>6.2f}× {fmt(r['state_cost_pct'], '+6.1f', '%')} "
               f"{fmt(r['flashkda_ms'], '8.3f')} {fmt(r['speedup_vs_flashkda'], '6.2f', '×')} {r['tbps']:>5.2f} {r['tflops']:>7.0f}")
 
