@@ -10,17 +10,14 @@ import torch
 
 from kda_bench.inputs import random_inputs
 from kda_opt import kda_forward
-from kda_opt.forward import RUN_TENSORS, Prepared, run
-from kda_opt.plan import Tuning, make_plan
+from kda_opt.forward import Prepared
+from kda_opt.plan import Tuning
+from tests.test_forward import run_tuned
 
 H, K = 2, 128
 MIXED = [1, 63, 64, 65, 7, 130, 0, 200]      # short and long packed sequences, an empty one
 TIME_SEGMENTS = Tuning(segment_tokens=128)
 PARALLEL = Tuning(parallel=True, parallel_tokens=128)
-
-
-def tuned(args, tuning):
-    return run(make_plan(**args, tuning=tuning), **{n: args.get(n) for n in RUN_TENSORS})
 
 
 def pool_call(lens, slots, rows, v_first=False, dtype=torch.float32, has=None, **call):
@@ -63,10 +60,10 @@ CALLS = {
                                                                                 state_v_first=True)),
     "checkpoints at offsets": lambda: kda_forward(**checkpointed(MIXED, 128, offsets=[1, 5, 64, 100, 3, 128, 7, 70],
                                                                  state_v_first=True)),
-    "time segments": lambda: tuned(random_inputs(1, 600, H, K, initial_state=True), TIME_SEGMENTS),
-    "parallel segments": lambda: tuned(random_inputs(1, 1000, H, K, initial_state=True, state_v_first=True),
+    "time segments": lambda: run_tuned(random_inputs(1, 600, H, K, initial_state=True), TIME_SEGMENTS),
+    "parallel segments": lambda: run_tuned(random_inputs(1, 1000, H, K, initial_state=True, state_v_first=True),
                                        PARALLEL),
-    "parallel segments, packed": lambda: tuned(pool_call([700, 30, 0, 900, 5], [3, 0, -1, 1, 2], 4), PARALLEL),
+    "parallel segments, packed": lambda: run_tuned(pool_call([700, 30, 0, 900, 5], [3, 0, -1, 1, 2], 4), PARALLEL),
     "context-parallel transition": lambda: (Prepared(**{n: x for n, x in random_inputs(
         1, 395, H, K, seqlens=[130, 65, 200]).items() if n != "output_final_state"}).transition(),),
     "fp16": lambda: kda_forward(**random_inputs(1, 200, H, K, dtype=torch.float16, initial_state=True)),
