@@ -1,9 +1,16 @@
 """One small call of every launch path, for compute-sanitizer (tests/test_sanitizer.py runs this file
-under each of its tools): `python tests/sanitizer_calls.py [NAME ...]` makes the calls named (all of
-them without names), each followed by a read of every element it returns (o, final states: initcheck
-then reports one never written), and prints `call NAME` before each, so that the sanitizer's report
+under each of its tools): `python tests/sanitizer_calls.py [--poisoned] [NAME ...]` makes the calls
+named (all of them without names) and prints `call NAME` before each, so that the sanitizer's report
 shows which call an error came from. Run with PYTORCH_NO_CUDA_MEMORY_CACHING=1, so that every tensor
-is an allocation of its own and an access past one is outside it."""
+is an allocation of its own and an access past one is outside it.
+
+--zero-stage4-buffers (for initcheck, which does not see TMA stores): every buffer a stage-4 launch
+writes zeroed before it, so that initcheck checks every other read.
+
+--poisoned (no sanitizer; what initcheck cannot show, since it does not see TMA stores: docs/DESIGN.md,
+"Memory safety"): every byte of the caching allocator's memory set to 0xFF (NaN in fp32, bf16 and
+fp16) before the calls, and every element each call returns then read: one never written is a NaN."""
+import inspect
 import sys
 
 import torch
@@ -76,17 +83,53 @@ CALLS = {
 }
 
 
-def main(names):
+def poison_allocator(large_bytes=1 << 30, small_blocks=64):
+    """Every byte of the caching allocator's memory 0xFF: one large segment (split for allocations
+    over 1 MiB) and `small_blocks` blocks of 1 MiB (the small pool's 2 MiB segments), freed again, so
+    that the calls' allocations come from them."""
+    torch.cuda.empty_cache()
+    blocks = [torch.full((large_bytes,), 255, dtype=torch.uint8, device="cuda")]
+    blocks += [torch.full((1 << 20,), 255, dtype=torch.uint8, device="cuda") for _ in range(small_blocks)]
+    torch.cuda.synchronize()
+    del blocks
+
+
+def zero_stage4_buffers():
+    """From here on, each buffer a stage-4 launch writes (o, final states other than the initial
+    states' own pool, checkpoints) is zeroed before the launch, so initcheck takes it for written:
+    it does not see stage 4's TMA stores into them (tests/test_sanitizer.py)."""
+    from kda_opt import wuso
+    config = wuso.launch_config
+
+    def zeroed(*args, **kwargs):
+        given = inspect.signature(config).bind(*args, **kwargs).arguments
+        source = given["initial_state"]
+        for name in ("final_state", "checkpoints") + (() if given.get("transition") else ("o",)):
+            x = given.get(name)                 # (transition: o is v, not written)
+            if x is not None and (source is None or x.untyped_storage().data_ptr()
+                                  != source.untyped_storage().data_ptr()):
+                x.zero_()
+        return config(*args, **kwargs)
+    wuso.launch_config = zeroed
+
+
+def main(names, poisoned=False, zeroed=False):
+    if poisoned:
+        poison_allocator()
+    if zeroed:
+        zero_stage4_buffers()
     for name in names or CALLS:
         print(f"call {name}", flush=True)
         outputs = CALLS[name]()
-        # Every element of what the call returns read once (initcheck: an element never written).
-        for x in outputs:
-            if x is not None:
-                x.float().sum().item()
+        if poisoned:
+            unwritten = [int(torch.isnan(x).sum()) for x in outputs if x is not None]
+            if any(unwritten):
+                raise SystemExit(f"call {name}: elements never written (NaN) in what it returns: {unwritten}")
     torch.cuda.synchronize()
     print(f"calls done: {len(names or CALLS)}", flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    args = sys.argv[1:]
+    main([a for a in args if not a.startswith("--")], poisoned="--poisoned" in args,
+         zeroed="--zero-stage4-buffers" in args)
