@@ -438,8 +438,12 @@ def _parallel_packed(plan: Plan, q, k, v, g, beta, seqs, state, checkpoints, pre
     # Pass 1: the cut sequences' pieces but their last, h (their final states from those starts), with
     # o and checkpoints (final for first pieces that pass 3 skips); pass 2: their middle pieces'
     # transitions M, from I with v = 0 over K state columns.
-    # (Rows no pass writes, the last pieces' and the spare, reach only merged states nothing reads.)
+    # Rows no pass writes (the last pieces' and the spare) reach only merged states nothing reads:
+    # zeros, so that the merge reads no memory never written.
     h, M = torch.empty_like(starts), v.new_empty((P + 1, plan.HV, plan.K, plan.K), dtype=torch.float32)
+    for x, (lo, hi) in ((h, t.h_pieces), (M, t.m_pieces)):
+        x[:lo].zero_()
+        x[hi:].zero_()
     lo, hi = t.h_pieces
     stage4(q, k, v, gcum, Tm, Aqk, initial_state=starts[lo:], final_state=h[lo:hi], cu_seqlens=t.bounds[lo:hi + 1],
            out=o, checkpoints=checkpoints, checkpoint_rows=None if checkpoints is None else t.ck_rows[lo:hi],
