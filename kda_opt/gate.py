@@ -40,9 +40,20 @@ def gate_cumsum_kernel(
     # Row t of the sequence starting at row bos, head h, sits at ((bos + t)·HV + h)·K.
     o_tk = ((bos + o_t[:, None]) * HV + i_h) * K + o_k[None, :]
     b_x = tl.load(g + o_tk, mask=m_tk, other=0.0).to(tl.float32)
+    # Rows past T were loaded as 0 and activate to a finite value; they are never stored.
+    b_x = log_decay(b_x, A_log, dt_bias, i_h, o_k, lower_bound, K, MODE, HAS_A, HAS_BIAS)
+    b_g = tl.cumsum(b_x, axis=0) * 1.4426950408889634  # 1 / ln 2
+    tl.store(gcum + o_tk, b_g, mask=m_tk)
+
+
+@triton.jit
+def log_decay(b_x, A_log, dt_bias, i_h, o_k, lower_bound, K: tl.constexpr, MODE: tl.constexpr,
+              HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The floored log-decay max(a, floor) of the raw gate b_x [..., BK] (module docstring) of value
+    head i_h at channels o_k [BK]; also kda_opt/decode's."""
     if MODE != PREACTIVATED:
         if HAS_BIAS:
-            b_x += tl.load(dt_bias + i_h * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
+            b_x += tl.load(dt_bias + i_h * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)
         if HAS_A:
             b_rate = tl.exp(tl.load(A_log + i_h).to(tl.float32))
         if MODE == SIGMOID:
@@ -52,10 +63,12 @@ def gate_cumsum_kernel(
         else:
             # softplus(x) = max(x, 0) + log(1 + exp(−|x|)): no overflow for large x.
             b_x = -b_rate * (tl.maximum(b_x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(b_x))))
-    # Rows past T were loaded as 0 and activate to a finite value; they are never stored.
-    b_x = tl.maximum(b_x, FLOOR)
-    b_g = tl.cumsum(b_x, axis=0) * 1.4426950408889634  # 1 / ln 2
-    tl.store(gcum + o_tk, b_g, mask=m_tk)
+    return tl.maximum(b_x, FLOOR)
+
+
+def gate_mode(gate: GateConfig):
+    """The kernels' gate mode (PREACTIVATED, SIGMOID or SOFTPLUS) of a GateConfig."""
+    return PREACTIVATED if not gate.in_kernel else SIGMOID if gate.lower_bound is not None else SOFTPLUS
 
 
 def gate_cumsum(g: torch.Tensor, gate: GateConfig, A_log=None, dt_bias=None, seqs: Seqs | None = None, *,
@@ -65,7 +78,6 @@ def gate_cumsum(g: torch.Tensor, gate: GateConfig, A_log=None, dt_bias=None, seq
     sequences of T tokens. kernels: the plan's compiled kernels (kda_opt/launch), or None."""
     B, T, HV, K = g.shape
     seqs = seqs or fixed(T)
-    mode = PREACTIVATED if not gate.in_kernel else SIGMOID if gate.lower_bound is not None else SOFTPLUS
     gcum = torch.empty(B, T, HV, K, dtype=torch.float32, device=g.device)
     # Plain integer arithmetic: triton.cdiv and next_power_of_2 cost microseconds a call in Python.
     BK = min(64, 1 << (K - 1).bit_length())
@@ -74,6 +86,6 @@ def gate_cumsum(g: torch.Tensor, gate: GateConfig, A_log=None, dt_bias=None, seq
         gate_cumsum_kernel, grid, kernels,
         g=g, A_log=A_log, dt_bias=dt_bias, gcum=gcum, cu_seqlens=seqs.cu_seqlens, chunk_indices=seqs.chunk_indices,
         T=T, lower_bound=float(gate.lower_bound or 0.0), HV=HV, K=K, C=CHUNK, BK=BK,
-        MODE=mode, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, PACKED=seqs.packed,
+        MODE=gate_mode(gate), HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, PACKED=seqs.packed,
     )
     return gcum

@@ -37,6 +37,7 @@ import torch
 
 from .intra import warps_for
 from .launch import Kernels
+from .gate import gate_mode
 from .options import CHUNK, GateConfig, state_shape
 from .wuso import INT32_MAX, WORKER_WARPS, block_v_for
 
@@ -208,18 +209,18 @@ def plan_for(arguments: dict) -> tuple[Plan, Kernels]:
     return entry
 
 
-def _signature(arguments: dict) -> tuple | None:
+def _signature(arguments: dict, tensors=TENSOR_ARGUMENTS, options=OPTION_ARGUMENTS) -> tuple | None:
     """What make_plan's checks and choices read from a call, but the host copies' values: a hashable
     key, or None where an argument is of a type no signature holds (it is then planned every call,
     and the checks say what is wrong with it) or the call asks for a warning (transpose_state_layout).
-    arguments: kda_forward's, every one by name."""
-    if arguments["transpose_state_layout"] is not None:
+    arguments: kda_forward's, every one by name (or kda_decode's, with its tensors and options)."""
+    if arguments.get("transpose_state_layout") is not None:
         return None
-    options = tuple(arguments[name] for name in OPTION_ARGUMENTS)
-    if not all(type(x) in _OPTION_TYPES for x in options):
+    values = tuple(arguments[name] for name in options)
+    if not all(type(x) in _OPTION_TYPES for x in values):
         return None
-    key = [torch.is_grad_enabled(), options]
-    for name in TENSOR_ARGUMENTS:
+    key = [torch.is_grad_enabled(), values]
+    for name in tensors:
         x = arguments[name]
         if x is None:
             key.append(None)
@@ -341,7 +342,7 @@ def _validate(q, k, v, g, beta, initial_state, *, use_gate_in_kernel, A_log, dt_
     if torch.is_grad_enabled():
         wants_grad = [n for n, x in {**named, **optional}.items() if x is not None and x.requires_grad]
         if wants_grad:
-            raise RuntimeError(f"kda_forward is forward-only and computes no gradient, but {', '.join(wants_grad)} "
+            raise RuntimeError(f"kda_opt is forward-only and computes no gradient, but {', '.join(wants_grad)} "
                                "require grad: call it under torch.no_grad() or torch.inference_mode(), or detach them")
     for name, ndim in (("q", 4), ("k", 4), ("v", 4), ("g", 4), ("beta", 3)):
         if named[name].dim() != ndim:
@@ -542,3 +543,164 @@ def _validate_seqlens(cu_seqlens, cu_seqlens_cpu, B) -> int:
             raise ValueError(f"cu_seqlens_cpu must have cu_seqlens' shape {list(cu_seqlens.shape)}, "
                              f"got {list(cu_seqlens_cpu.shape)}")
     return cu_seqlens.shape[0] - 1
+
+
+# ---- kda_decode's plan (kda_opt/decode) ----
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """One kda_decode call, resolved: N requests of T tokens (packed: T of the call, lengths from
+    cu_seqlens); what its kernel reads and writes (kda_opt/decode's READ / WRITE codes)."""
+    B: int
+    T: int
+    H: int
+    K: int
+    HV: int
+    V: int
+    N: int
+    scale: float
+    gate: GateConfig
+    gate_mode: int                # kda_opt/gate's PREACTIVATED, SIGMOID or SOFTPLUS
+    l2norm: bool
+    beta_sigmoid: float | None    # β = beta_sigmoid · sigmoid(beta); None: beta is β
+    state_v_first: bool
+    packed: bool
+    read: int                     # 0 zeros, 1 initial_state[n], 2 the pool at ssm_state_indices
+    write: int                    # 0 none, 1 final[n], 2 the pool at [N] indices, 3 per token at [N, S] ones
+    output_final_state: bool      # final[n] a new [N, …] fp32 tensor (else initial_state, in place)
+    columns: int                  # S of [N, S] indices (1 for [N], 0 without)
+    slots: int                    # the pool's rows (0 without one)
+    pad_slot: int | None
+    block_v: int
+    num_warps: int
+
+
+DECODE_TENSORS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens",
+                  "ssm_state_indices", "num_accepted_tokens", "out")
+DECODE_OPTIONS = ("scale", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+                  "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "lower_bound", "state_v_first",
+                  "inplace_final_state", "pad_slot")
+
+
+def make_decode_plan(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
+                     output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
+                     state_v_first=False, cu_seqlens=None, *, inplace_final_state=False, ssm_state_indices=None,
+                     num_accepted_tokens=None, out=None, pad_slot=None, sms: int | None = None) -> DecodePlan:
+    """kda_decode's arguments (its docstring says what each means) checked and resolved into a
+    DecodePlan. sms: the GPU's SM count, for the launch choices; None reads it from q's device, which
+    must then be a CUDA GPU with every tensor on it (the CPU tests pass a count)."""
+    scale = None if scale is None else _scale(scale)
+    indices = ssm_state_indices
+    N = _validate(q, k, v, g, beta, initial_state if indices is None else None, use_gate_in_kernel=use_gate_in_kernel,
+                  A_log=A_log, dt_bias=dt_bias, safe_gate=False, lower_bound=lower_bound,
+                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                  state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=None, chunk_size=CHUNK)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    columns = _validate_decode_serving(q, v, N, initial_state, output_final_state, inplace_final_state, indices,
+                                       num_accepted_tokens, out, pad_slot, state_v_first, cu_seqlens)
+    if sms is None:
+        _validate_devices(q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias,
+                          cu_seqlens=cu_seqlens, ssm_state_indices=indices, num_accepted_tokens=num_accepted_tokens,
+                          out=out)
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    gate = GateConfig(in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
+    write = 0
+    if output_final_state:
+        write = 1
+    elif inplace_final_state:
+        write = 1 if indices is None else 2 if indices.dim() == 1 else 3
+    block_v = decode_block_v(N * HV, V, sms)
+    return DecodePlan(
+        B=B, T=T, H=H, K=K, HV=HV, V=V, N=N, scale=K ** -0.5 if scale is None else scale, gate=gate,
+        gate_mode=gate_mode(gate), l2norm=use_qk_l2norm_in_kernel,
+        beta_sigmoid=(2.0 if allow_neg_eigval else 1.0) if use_beta_sigmoid_in_kernel else None,
+        state_v_first=state_v_first, packed=cu_seqlens is not None,
+        read=0 if initial_state is None else 1 if indices is None else 2, write=write,
+        output_final_state=output_final_state, columns=columns,
+        slots=0 if indices is None else initial_state.shape[0], pad_slot=pad_slot,
+        block_v=block_v, num_warps=4)
+
+
+def decode_block_v(programs: int, V: int, sms: int) -> int:
+    """kda_decode's V columns per program: the widest of 64, 32, 16 that still gives every SM
+    DECODE_WAVES programs of (request, value head, V block), so that each SM has state loads in flight
+    from several programs at once (a step is the state's bytes: kda_opt/decode)."""
+    for block_v in (64, 32):
+        if block_v <= V and programs * (V // block_v) >= DECODE_WAVES * sms:
+            return block_v
+    return 16
+
+
+DECODE_WAVES = 4
+
+
+def decode_plan_for(arguments: dict) -> tuple[DecodePlan, Kernels]:
+    """make_decode_plan(**arguments) made once per call signature (as plan_for), with its table of
+    compiled kernels."""
+    key = _signature(arguments, DECODE_TENSORS, DECODE_OPTIONS)
+    key = None if key is None else ("decode", *key)
+    entry = None if key is None else _plans.get(key)
+    if entry is None:
+        entry = (make_decode_plan(**arguments), Kernels())
+        if key is not None:
+            if len(_plans) >= PLAN_CACHE_SIZE:
+                del _plans[next(iter(_plans))]
+            _plans[key] = entry
+    return entry
+
+
+def _validate_decode_serving(q, v, N, initial_state, output_final_state, inplace_final_state, indices, accepted,
+                             out, pad_slot, state_v_first, cu_seqlens) -> int:
+    """Checks kda_decode's state pool, indices, accepted counts, out and pad_slot; returns the index
+    columns (0 without indices)."""
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    row = state_shape(1, HV, K, V, state_v_first)[1:]
+    if output_final_state and inplace_final_state:
+        raise ValueError("output_final_state returns new final states and inplace_final_state writes them into "
+                         "initial_state: pass one of them")
+    if inplace_final_state and initial_state is None:
+        raise ValueError("inplace_final_state writes the final states into initial_state: it needs one")
+    columns = 0
+    if indices is not None:
+        if initial_state is None:
+            raise ValueError("ssm_state_indices needs initial_state: the state pool they index")
+        if not isinstance(initial_state, torch.Tensor) or not initial_state.is_floating_point():
+            raise TypeError(f"initial_state must be a floating-point torch.Tensor, got {initial_state!r:.80}")
+        _check_state_dtype("initial_state", initial_state)
+        dense_row = (row[1] * row[2], row[2], 1)
+        if (initial_state.dim() != 4 or tuple(initial_state.shape[1:]) != row or initial_state.shape[0] < 1
+                or tuple(initial_state.stride()[1:]) != dense_row or initial_state.stride(0) < row[0] * dense_row[0]):
+            raise ValueError(f"a state pool (initial_state with ssm_state_indices) must have shape "
+                             f"[slots, {', '.join(map(str, row))}]{' (V before K: state_v_first)' if state_v_first else ''}"
+                             f" with each row dense, got shape {list(initial_state.shape)}, strides "
+                             f"{list(initial_state.stride())}")
+        _check_integers("ssm_state_indices", indices)
+        if indices.dim() not in (1, 2) or indices.shape[0] != N or indices.dim() == 2 and indices.shape[1] < 1:
+            raise ValueError(f"ssm_state_indices must have shape [{N}] or [{N}, S] (one slot per request, or per "
+                             f"token), got {list(indices.shape)}")
+        columns = 1 if indices.dim() == 1 else indices.shape[1]
+        if indices.dim() == 2 and inplace_final_state and cu_seqlens is None and columns < T:
+            raise ValueError(f"ssm_state_indices [N, S] names the row of each token's state: S must be at least "
+                             f"T={T}, got {columns}")
+    if accepted is not None:
+        if indices is None or indices.dim() != 2:
+            raise ValueError("num_accepted_tokens picks a column of ssm_state_indices [N, S]: it needs them")
+        _check_integers("num_accepted_tokens", accepted)
+        if tuple(accepted.shape) != (N,):
+            raise ValueError(f"num_accepted_tokens must have shape [{N}], got {list(accepted.shape)}")
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.dtype != v.dtype or out.shape != v.shape:
+            raise ValueError(f"out must be a {v.dtype} tensor of v's shape {list(v.shape)}, got "
+                             f"{getattr(out, 'dtype', type(out).__name__)} {list(getattr(out, 'shape', []))}")
+        if out.stride(-1) != 1 or B > 1 and out.stride(0) != T * out.stride(1):
+            raise ValueError(f"out's channels must be dense and its tokens evenly spaced through the batch, "
+                             f"got strides {list(out.stride())}")
+    if pad_slot is not None:
+        if isinstance(pad_slot, bool) or not isinstance(pad_slot, int) or pad_slot < 0:
+            raise TypeError(f"pad_slot must be a non-negative int (a slot of the pool), got {pad_slot!r}")
+        if indices is None:
+            raise ValueError("pad_slot is a slot of the pool that padding rows name: it needs ssm_state_indices")
+    return columns

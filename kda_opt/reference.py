@@ -217,3 +217,60 @@ def _sequences(q, k, v, a, beta, scale, initial_state, cu_seqlens, method):
         outs.append(o)
         states.append(S)
     return torch.cat(outs, dim=1), torch.cat(states)
+
+
+def reference_decode(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
+                     output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None, state_v_first=False,
+                     cu_seqlens=None, *, inplace_final_state=False, ssm_state_indices=None, num_accepted_tokens=None,
+                     out=None, pad_slot=None):
+    """kda_decode's arguments → float64 (o, final state): the new final states
+    (output_final_state), a float64 copy of the pool or of initial_state with the rows the call writes
+    replaced (inplace_final_state), or None; by its docstring's rules for slots, padding and accepted
+    tokens, token after token."""
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    if use_beta_sigmoid_in_kernel:
+        beta = (2.0 if allow_neg_eigval else 1.0) * torch.sigmoid(beta.double())
+    a = activate_gate(g, A_log, dt_bias, lower_bound) if use_gate_in_kernel else g.double()
+    B, T, HV, V = v.shape
+    K = q.shape[-1]
+    layout = (lambda S: S.transpose(-1, -2)) if state_v_first else (lambda S: S)
+    bounds = cu_seqlens.tolist() if cu_seqlens is not None else [n * T for n in range(B + 1)]
+    flat = [x.flatten(0, 1)[None] for x in (q, k, v, a, beta)]
+    pool = None if initial_state is None else initial_state.double().clone()
+    written = pool.clone() if inplace_final_state else None
+    slots = 0 if pool is None else pool.shape[0]
+    index = None if ssm_state_indices is None else ssm_state_indices.view(len(bounds) - 1, -1).tolist()
+    per_token = ssm_state_indices is not None and ssm_state_indices.dim() == 2
+
+    def slot(n, column, live):
+        row = index[n][column] if live and 0 <= column < len(index[n]) else -1
+        return row if 0 <= row < slots and row != pad_slot else None
+
+    o, finals = v.new_zeros(1, bounds[-1], HV, V, dtype=torch.float64), []
+    for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
+        column = 0 if num_accepted_tokens is None else int(num_accepted_tokens[n]) - 1
+        live = index is None or 0 <= column < len(index[n])
+        if index is not None:
+            row = slot(n, column, live)
+            S = pool.new_zeros(HV, K, V) if row is None else layout(pool[row])
+        else:
+            S = v.new_zeros(HV, K, V, dtype=torch.float64) if pool is None else layout(pool[n])
+        S = S[None]
+        for t in range(eos - bos):
+            o[:, bos + t], S = (x[:, 0] if i == 0 else x for i, x in enumerate(recurrent_kda(
+                *(x[:, bos + t:bos + t + 1] for x in flat), scale, S)))
+            if inplace_final_state and per_token:
+                row = slot(n, t, live)
+                if row is not None:
+                    written[row] = layout(S[0])
+        finals.append(S[0])
+        if inplace_final_state and not per_token:
+            row = n if index is None else slot(n, 0, live)
+            if row is not None:
+                written[row] = layout(S[0])
+    o = o.view(B, T, HV, V)
+    if output_final_state:
+        return o, layout(torch.stack(finals))
+    return o, written

@@ -1,0 +1,211 @@
+"""Decode and speculative verify: the token recurrence itself, a few tokens per request, over a state
+pool in place. Per request n and value head h, state S [K, V] fp32 from its start row, per token t:
+    a = max(log-decay of g_t, floor)   (kda_opt/gate.log_decay: the prefill's activation and floor)
+    S ← Diag(exp a) S;  u = β_t (v_t − Sᵀ k_t);  S ← S + k_t uᵀ;  o_t = Sᵀ (scale · q_t)
+(q_t, k_t L2-normalised first with l2norm; β_t = β_scale · sigmoid(beta_t) with logits), then S to
+its row(s). One program per (request, value head, V block of BV columns): its state block is read
+once and written once (per token only where the caller asks for each token's state), so a step
+moves the state's bytes and little else: the recurrence as FLA's `fused_recurrent_kda` computes it
+(its decode kernel), not the chunked form.
+In: q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV] (B = 1 with cu_seqlens);
+states [N, HV, K, V] or a pool [slots, HV, K, V] (V-first: [·, HV, V, K]; fp32, bf16 or fp16).
+Out: o [B, T, HV, V] in v's dtype; the states written as kda_decode's docstring says.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .gate import log_decay
+from .launch import Kernels, triton_launch
+from .options import L2NORM_EPS, state_shape
+from .plan import DecodePlan, decode_plan_for
+
+
+@triton.jit(do_not_specialize=["T", "slots", "pad_slot"])
+def decode_kernel(
+    q, k, v, g, beta, A_log, dt_bias, o,    # tokens [·, ·, heads, channels]: row r at r · S*T, head at S*H
+    s_in, s_out,                            # states: row r at r · S_IN / r · S_OUT; None where absent
+    cu_seqlens, indices, accepted,          # [N + 1]; [N, COLUMNS] slots (row stride S_IDX); [N]
+    T, slots, pad_slot, scale, lower_bound,
+    SQT, SQH, SKT, SKH, SVT, SVH, SGT, SGH, SBT, SBH, SOT, SOH, S_IN, S_OUT, S_IDX,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    MODE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, V_FIRST: tl.constexpr, PACKED: tl.constexpr, READ: tl.constexpr,
+    WRITE: tl.constexpr, COLUMNS: tl.constexpr, ACCEPTED: tl.constexpr, PAD: tl.constexpr,
+):
+    # READ: 0 zeros, 1 dense row n, 2 pool row indices[n, accepted[n] − 1] (column 0 without accepted).
+    # WRITE: 0 nothing, 1 dense row n after the last token, 2 pool row indices[n] after the last token,
+    # 3 pool row indices[n, t] after each token t (speculative verify).
+    i_nh, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    if PACKED:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    else:
+        bos = i_n * T
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    # The state block [K, BV] at (channel, column), in either layout.
+    o_s = o_v[None, :] * K + o_k[:, None] if V_FIRST else o_k[:, None] * V + o_v[None, :]
+    o_s += i_hv * K * V
+    # A request is live where its accepted count names one of its columns; a pad row reads zeros and
+    # writes nothing.
+    live = True
+    column = 0
+    if ACCEPTED:
+        column = tl.load(accepted + i_n).to(tl.int64) - 1
+        live = (column >= 0) & (column < COLUMNS)
+    b_s = tl.zeros([K, BV], dtype=tl.float32)
+    if READ == 1:
+        b_s = tl.load(s_in + i_n * S_IN + o_s).to(tl.float32)
+    if READ == 2:
+        row = _slot(indices, i_n, column, live, slots, pad_slot, S_IDX, PAD)
+        b_s = tl.load(s_in + row * S_IN + o_s, mask=row >= 0, other=0.0).to(tl.float32)
+    for t in range(T):
+        r = bos + t
+        b_q = tl.load(q + r * SQT + i_h * SQH + o_k).to(tl.float32)
+        b_k = tl.load(k + r * SKT + i_h * SKH + o_k).to(tl.float32)
+        if L2NORM:
+            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + L2NORM_EPS)
+            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + L2NORM_EPS)
+        b_a = log_decay(tl.load(g + r * SGT + i_hv * SGH + o_k).to(tl.float32), A_log, dt_bias, i_hv, o_k,
+                        lower_bound, K, MODE, HAS_A, HAS_BIAS)
+        b_beta = tl.load(beta + r * SBT + i_hv * SBH).to(tl.float32)
+        if BETA_SIGMOID > 0:
+            b_beta = BETA_SIGMOID * tl.sigmoid(b_beta)
+        b_s *= tl.exp(b_a)[:, None]
+        b_u = (tl.load(v + r * SVT + i_hv * SVH + o_v).to(tl.float32) - tl.sum(b_s * b_k[:, None], 0)) * b_beta
+        b_s += b_k[:, None] * b_u[None, :]
+        b_o = tl.sum(b_s * (b_q * scale)[:, None], 0)
+        tl.store(o + r * SOT + i_hv * SOH + o_v, b_o.to(o.dtype.element_ty))
+        if WRITE == 3:
+            row = _slot(indices, i_n, t, live & (t < COLUMNS), slots, pad_slot, S_IDX, PAD)
+            tl.store(s_out + row * S_OUT + o_s, b_s.to(s_out.dtype.element_ty), mask=row >= 0)
+    if WRITE == 1:
+        tl.store(s_out + i_n * S_OUT + o_s, b_s.to(s_out.dtype.element_ty))
+    if WRITE == 2:
+        row = _slot(indices, i_n, 0, live, slots, pad_slot, S_IDX, PAD)
+        tl.store(s_out + row * S_OUT + o_s, b_s.to(s_out.dtype.element_ty), mask=row >= 0)
+
+
+@triton.jit
+def _slot(indices, i_n, column, live, slots, pad_slot, S_IDX, PAD: tl.constexpr):
+    """The pool row at indices[i_n, column] (int64), or −1 where the request is not live, the index is
+    negative, past the pool, or the declared pad slot: such a row is neither read nor written."""
+    row = tl.load(indices + i_n * S_IDX + column, mask=live, other=-1).to(tl.int64)
+    ok = (row >= 0) & (row < slots)
+    if PAD:
+        ok = ok & (row != pad_slot)
+    return tl.where(ok, row, -1)
+
+
+def decode(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, final_state=None,
+           cu_seqlens=None, indices=None, accepted=None, out=None, *, kernels: Kernels | None = None):
+    """o [B, T, HV, V] (into `out` if given), the states read from initial_state and written into
+    final_state as the plan says (module docstring). Inputs validated by kda_opt/plan's
+    make_decode_plan; their last dimension dense."""
+    o = torch.empty_like(v) if out is None else out
+    stand_in = q                       # a pointer for absent arrays, never dereferenced
+    pool = indices if indices is None or indices.dim() == 2 else indices.view(-1, 1)
+    triton_launch(
+        decode_kernel, (plan.N * plan.HV, plan.V // plan.block_v), kernels,
+        q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, o=o,
+        s_in=stand_in if initial_state is None else initial_state,
+        s_out=stand_in if final_state is None else final_state,
+        cu_seqlens=cu_seqlens, indices=pool, accepted=accepted,
+        T=plan.T, slots=plan.slots, pad_slot=-1 if plan.pad_slot is None else plan.pad_slot,
+        scale=plan.scale, lower_bound=float(plan.gate.lower_bound or 0.0),
+        SQT=q.stride(1), SQH=q.stride(2), SKT=k.stride(1), SKH=k.stride(2), SVT=v.stride(1), SVH=v.stride(2),
+        SGT=g.stride(1), SGH=g.stride(2), SBT=beta.stride(1), SBH=beta.stride(2), SOT=o.stride(1), SOH=o.stride(2),
+        S_IN=0 if initial_state is None else initial_state.stride(0),
+        S_OUT=0 if final_state is None else final_state.stride(0),
+        S_IDX=0 if pool is None else pool.stride(0),
+        H=plan.H, HV=plan.HV, K=plan.K, V=plan.V, BV=plan.block_v, MODE=plan.gate_mode,
+        HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, L2NORM=plan.l2norm,
+        BETA_SIGMOID=plan.beta_sigmoid or 0.0, V_FIRST=plan.state_v_first, PACKED=plan.packed,
+        READ=plan.read, WRITE=plan.write, COLUMNS=plan.columns, ACCEPTED=accepted is not None,
+        PAD=plan.pad_slot is not None, num_warps=plan.num_warps,
+    )
+    return o
+
+
+def kda_decode(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
+               output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+               use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None, state_v_first=False,
+               cu_seqlens=None, *, inplace_final_state=False, ssm_state_indices=None, num_accepted_tokens=None,
+               out=None, pad_slot=None):
+    r"""Decode steps and speculative verify; the same function and arguments as FLA 0.6.0's
+    ``fused_recurrent_kda``, with the serving arguments of its ``fused_recurrent_kda_fwd``.
+
+    Each request's tokens run through the recurrence one after another from its start state (the
+    math: kda_forward's docstring); for a few tokens per request (decode: 1; verify: up to 16),
+    where kda_forward's chunked prefill is built for long sequences.
+
+    Args (as ``fused_recurrent_kda``'s):
+        q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]``; beta ``[B, T, HV]``: request b's
+            T tokens (B requests of T tokens), or with ``cu_seqlens`` (B = 1) request n's tokens
+            ``cu_seqlens[n] .. cu_seqlens[n+1] − 1``. Dtypes, head dims, the gate, β and the norm
+            options as kda_forward's (``A_log``, ``dt_bias``, ``scale``, ``lower_bound``,
+            ``use_qk_l2norm_in_kernel``, ``use_gate_in_kernel``, ``use_beta_sigmoid_in_kernel``,
+            ``allow_neg_eigval``, ``state_v_first``). Each token row of q, k, v, g, beta is read
+            through its strides (its last dimension must be dense).
+        initial_state: without ``ssm_state_indices``, ``[N, HV, K, V]`` (``[N, HV, V, K]`` with
+            ``state_v_first``), request n's start; with them, a state **pool** ``[slots, HV, K, V]``
+            (each row dense, rows may be padded). fp32, bf16 or fp16; None starts from zeros.
+        output_final_state: also return each request's state after its last token, ``[N, HV, K, V]``
+            fp32 in the states' layout (not with ``inplace_final_state``).
+
+    Serving arguments (as ``fused_recurrent_kda_fwd``'s), keyword-only:
+        ssm_state_indices: ``[N]`` or ``[N, S]`` int32/int64 slots of the pool. Request n starts
+            from ``pool[ssm_state_indices[n, c]]`` with ``c = num_accepted_tokens[n] − 1`` (``c = 0``
+            without it).
+        inplace_final_state: write the states into the pool, in the pool's dtype: with ``[N]``
+            indices the state after request n's last token into ``pool[ssm_state_indices[n]]``; with
+            ``[N, S]`` the state after its token t into ``pool[ssm_state_indices[n, t]]`` for each
+            ``t < min(S, its tokens)`` (speculative verify: the caller keeps the row of the last
+            accepted token). Returns the pool as the final state, as FLA does.
+        num_accepted_tokens: ``[N]`` int32/int64: the column of ``ssm_state_indices`` request n
+            starts from, plus one (needs ``[N, S]`` indices).
+        out: o's storage, ``[B, T, HV, V]`` of v's dtype with a dense last dimension (for CUDA
+            graphs: the call then allocates nothing but o's absence).
+        pad_slot: a slot the caller pads with (vLLM's reserved slot 0): like a negative index, it is
+            never read (the request starts from zeros) nor written, so any number of padding rows
+            may name it.
+
+    Padding: a negative index, one at or past ``slots`` and ``pad_slot`` read as zeros and are not
+    written; a request whose ``num_accepted_tokens`` is outside ``1 .. S`` (vLLM's rows of zero
+    accepted tokens) starts from zeros and writes no state. No row of the pool other than those the
+    live requests name is read or written, and live requests must name distinct rows (two requests
+    writing one row race; nothing checks it on the device).
+
+    Returns:
+        ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype (``out`` if given); final_state the pool
+        (``inplace_final_state``), the new ``[N, …]`` states (``output_final_state``), or None.
+
+    Needs a CUDA GPU of compute capability 9.0; forward only. No host-device synchronisation: it
+    may be captured in a CUDA graph.
+    """
+    plan, kernels = decode_plan_for(dict(locals()))
+    return run(plan, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, ssm_state_indices,
+               num_accepted_tokens, out, kernels=kernels)
+
+
+def run(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, cu_seqlens=None,
+        ssm_state_indices=None, num_accepted_tokens=None, out=None, *, kernels: Kernels | None = None):
+    """kda_decode's call under its plan: (o, final_state)."""
+    final = initial_state if plan.write else None
+    if plan.output_final_state:
+        final = q.new_empty(state_shape(plan.N, plan.HV, plan.K, plan.V, plan.state_v_first), dtype=torch.float32)
+    q, k, v, g, beta = (_token_rows(x) for x in (q, k, v, g, beta))
+    o = decode(plan, q, k, v, g, beta, A_log, dt_bias, initial_state, final, cu_seqlens, ssm_state_indices,
+               num_accepted_tokens, out, kernels=kernels)
+    return o, final
+
+
+def _token_rows(x):
+    """x [B, T, heads(, channels)] as the kernel reads it: channels dense and token rows evenly spaced
+    through the batch (row n·T + t at (n·T + t) · stride(1)); else a contiguous copy."""
+    B, T = x.shape[:2]
+    dense = x.dim() == 3 or x.stride(-1) == 1
+    return x if dense and (B == 1 or x.stride(0) == T * x.stride(1)) else x.contiguous()

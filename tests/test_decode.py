@@ -1,0 +1,228 @@
+"""kda_opt/decode (kda_decode): the kernel against the float64 decode reference (Triton's interpreter
+in fp32 without a GPU), the padding rules, and the argument checks."""
+import pytest
+import torch
+
+from kda_opt.decode import kda_decode, run
+from kda_opt.plan import DecodePlan, make_decode_plan
+from kda_opt.reference import reference_decode
+from tests.conftest import HAS_CUDA, gpu, kernel_device, rel_err
+
+DEVICE = kernel_device()
+SMS = 132
+# fp32 under the interpreter (its 16-bit arithmetic is not the GPU's); the decode kernel is fp32 inside.
+DTYPE = torch.bfloat16 if HAS_CUDA else torch.float32
+TOLERANCE = 2e-2 if HAS_CUDA else 1e-5
+
+
+def inputs(N, T, H, K, *, HV=None, lens=None, gate="safe", l2norm=False, beta_logits=False, neg_eigval=False,
+           v_first=False, slots=None, indices=None, accepted=None, pool_dtype=torch.float32, pad_slot=None,
+           inplace=False, output_final_state=False, state=True, seed=0):
+    """kda_decode's arguments: N requests of T tokens (packed with `lens`), a pool of `slots` rows (padded)
+    at `indices`, or a dense state per request."""
+    gen = torch.Generator().manual_seed(seed)
+    HV = HV or H
+    B, T = (1, sum(lens)) if lens else (N, T)
+    rand = lambda *shape: torch.randn(*shape, generator=gen)
+    args = dict(q=rand(B, T, H, K), k=rand(B, T, H, K), v=rand(B, T, HV, K), g=rand(B, T, HV, K),
+                beta=rand(B, T, HV) if beta_logits else torch.rand(B, T, HV, generator=gen))
+    args = {n: x.to(DEVICE, DTYPE) for n, x in args.items()}
+    if not l2norm:
+        args["k"] = torch.nn.functional.normalize(args["k"], dim=-1)
+    if gate == "safe":
+        args.update(use_gate_in_kernel=True, lower_bound=-5.0, A_log=torch.rand(HV, generator=gen).mul(15).add(1).log(),
+                    dt_bias=rand(HV * K))
+    elif gate == "softplus":
+        args.update(use_gate_in_kernel=True, A_log=torch.rand(HV, generator=gen).mul(15).add(1).log(),
+                    dt_bias=rand(HV * K))
+    else:
+        args["g"] = torch.nn.functional.logsigmoid(args["g"].float()).to(DTYPE)
+    for name in ("A_log", "dt_bias"):
+        if name in args:
+            args[name] = args[name].to(DEVICE)
+    args.update(use_qk_l2norm_in_kernel=l2norm, use_beta_sigmoid_in_kernel=beta_logits, allow_neg_eigval=neg_eigval,
+                state_v_first=v_first, inplace_final_state=inplace, output_final_state=output_final_state,
+                pad_slot=pad_slot)
+    if lens:
+        args["cu_seqlens"] = torch.tensor([0, *lens], device=DEVICE).cumsum(0)
+    if slots is not None:
+        pool = rand(slots, HV * K * K + 8)[:, :HV * K * K].view(slots, HV, K, K)
+        args.update(initial_state=pool.to(DEVICE, pool_dtype), ssm_state_indices=torch.tensor(indices, device=DEVICE))
+        if accepted is not None:
+            args["num_accepted_tokens"] = torch.tensor(accepted, device=DEVICE)
+    elif state:
+        args["initial_state"] = rand(N, HV, K, K).to(DEVICE)
+    return args
+
+
+def decoded(args):
+    """kda_decode on the GPU; its plan's run under the interpreter without one (the plan made with an
+    SM count, since make_decode_plan checks devices only on a GPU)."""
+    if HAS_CUDA:
+        return kda_decode(**args)
+    plan = make_decode_plan(**args, sms=SMS)
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens", "ssm_state_indices",
+             "num_accepted_tokens", "out")
+    return run(plan, **{n: args.get(n) for n in names})
+
+
+def check(args):
+    """o and the states against reference_decode: written rows within TOLERANCE, every other row of
+    the pool bit for bit as it was."""
+    before = None if args.get("initial_state") is None else args["initial_state"].clone()
+    o, final = decoded(args)
+    ref_o, ref_final = reference_decode(**{**args, "initial_state": before})
+    assert rel_err(o, ref_o) < TOLERANCE
+    if ref_final is None:
+        assert final is None
+        return o, final
+    if args.get("inplace_final_state"):
+        changed = (ref_final != before.double()).flatten(1).any(1)
+        assert torch.equal(final[~changed], before[~changed])
+        if changed.any():   # (a 16-bit pool: within 3× its own rounding of the reference; the interpreter truncates)
+            written = ref_final[changed]
+            assert rel_err(final[changed], written) < max(TOLERANCE, 3 * rel_err(written.to(final.dtype), written))
+    else:
+        assert rel_err(final, ref_final) < TOLERANCE
+    return o, final
+
+
+CASES = {
+    "decode, dense states": dict(N=3, T=1, H=2, K=64, output_final_state=True),
+    "decode, no state": dict(N=2, T=1, H=2, K=64, state=False, output_final_state=True),
+    "decode, dense states in place, V-first": dict(N=3, T=1, H=2, K=64, inplace=True, v_first=True),
+    "decode, pool": dict(N=4, T=1, H=2, K=64, slots=6, indices=[5, 0, 3, 2], inplace=True),
+    "decode, pool, softplus, l2norm, logits": dict(N=3, T=1, H=2, K=64, slots=4, indices=[1, 3, 0], inplace=True,
+                                                   gate="softplus", l2norm=True, beta_logits=True, neg_eigval=True),
+    "decode, pool, preactivated gate, grouped heads": dict(N=3, T=1, H=1, HV=2, K=64, slots=4, indices=[2, 0, 1],
+                                                           inplace=True, gate="none"),
+    "decode, bf16 V-first pool": dict(N=3, T=1, H=2, K=64, slots=4, indices=[2, 3, 0], inplace=True, v_first=True,
+                                      pool_dtype=torch.bfloat16),
+    "decode, pool read, new final states": dict(N=3, T=1, H=2, K=64, slots=5, indices=[4, 1, 2],
+                                                output_final_state=True),
+    "packed requests of 1, 3, 0, 2 tokens": dict(N=4, T=None, H=2, K=64, lens=[1, 3, 0, 2], slots=5,
+                                                 indices=[0, 4, 2, 1], inplace=True),
+    "verify, [N, S] slots, accepted": dict(N=3, T=4, H=2, K=64, slots=14, indices=[[0, 1, 2, 3], [4, 5, 6, 7],
+                                                                                   [8, 9, 10, 11]],
+                                           accepted=[1, 3, 4], inplace=True),
+    "verify, packed, V-first": dict(N=3, T=None, H=2, K=64, lens=[2, 4, 1], slots=14, v_first=True,
+                                    indices=[[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], accepted=[2, 1, 4],
+                                    inplace=True),
+    "K = V = 128": dict(N=2, T=2, H=1, K=128, slots=3, indices=[[2, 0], [1, -1]], inplace=True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_decode_matches_the_recurrence(case):
+    check(inputs(**CASES[case]))
+
+
+PADDED = {
+    # The same three live requests, with padding rows: −1, past the pool, and the declared pad slot.
+    "negative slots": (dict(indices=[3, -1, 1, -1, 4, -1]), None),
+    "past the pool": (dict(indices=[3, 9, 1, 6, 4, 100]), None),
+    "a pad slot many rows name": (dict(indices=[3, 0, 1, 0, 4, 0]), 0),
+}
+
+
+@pytest.mark.parametrize("case", list(PADDED))
+def test_padding_leaves_live_rows_as_unpadded(case):
+    """A padded batch writes every live row bit for bit as the same batch without its padding rows,
+    and touches no other row (the pad slot's contents included)."""
+    padded, pad_slot = PADDED[case]
+    live = [0, 2, 4]
+    args = inputs(N=6, T=1, H=2, K=64, slots=6, inplace=True, pad_slot=pad_slot, **padded)
+    alone = {n: (x[live] if n in ("q", "k", "v", "g", "beta") else x) for n, x in args.items()}
+    alone["ssm_state_indices"] = args["ssm_state_indices"][live]
+    alone["initial_state"] = args["initial_state"].clone()
+    before = args["initial_state"].clone()
+    o, pool = decoded(args)
+    o_alone, pool_alone = decoded(alone)
+    assert torch.equal(pool, pool_alone)
+    assert torch.equal(o[live], o_alone)
+    untouched = [r for r in range(6) if r not in (3, 1, 4)]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+def test_zero_accepted_tokens_is_a_pad_row():
+    """A request whose num_accepted_tokens is 0 (or past its columns) starts from zeros and writes no
+    row (vLLM nulls such rows; FLA's kernel reads column −1, the previous request's last slot)."""
+    args = inputs(N=3, T=2, H=2, K=64, slots=6, indices=[[0, 1], [2, 3], [4, 5]], accepted=[1, 0, 3], inplace=True)
+    before = args["initial_state"].clone()
+    o, pool = check(args)
+    assert torch.equal(pool[2:], before[2:])
+    assert not torch.equal(pool[:2], before[:2])
+
+
+def plan(**overrides) -> DecodePlan:
+    args = inputs(**{**dict(N=4, T=1, H=2, K=64, slots=6, indices=[5, 0, 3, 2], inplace=True), **overrides})
+    return make_decode_plan(**args, sms=SMS)
+
+
+def test_plan_reads_and_writes():
+    assert (plan().read, plan().write, plan().columns, plan().slots) == (2, 2, 1, 6)
+    verify = plan(T=2, indices=[[0, 1], [2, 3], [4, 5], [1, 2]])
+    assert (verify.write, verify.columns) == (3, 2)
+    dense = plan(slots=None, indices=None, inplace=False, output_final_state=True)
+    assert (dense.read, dense.write, dense.output_final_state) == (1, 1, True)
+    assert plan(slots=None, indices=None, inplace=False, state=False).read == 0
+
+
+def test_block_v_widens_with_the_batch():
+    assert plan(N=1, indices=[0]).block_v == 16
+    assert plan(N=512, indices=list(range(512)), slots=512).block_v == 64
+
+
+def bad(**changes):
+    args = inputs(N=2, T=1, H=2, K=64, slots=3, indices=[2, 0], inplace=True)
+    args.update(changes)
+    return args
+
+
+BAD_INPUTS = {
+    "both final-state options": (ValueError, "pass one of them", dict(output_final_state=True)),
+    "in place without a state": (ValueError, "needs one", dict(initial_state=None, ssm_state_indices=None)),
+    "indices without a pool": (ValueError, "needs initial_state", dict(initial_state=None, inplace_final_state=False)),
+    "float indices": (TypeError, "int32 or int64", dict(ssm_state_indices=torch.tensor([2.0, 0.0]))),
+    "indices of the wrong length": (ValueError, r"shape \[2\] or \[2, S\]", dict(ssm_state_indices=torch.tensor([2]))),
+    "too few columns for T": (ValueError, "S must be at least", dict(
+        ssm_state_indices=torch.tensor([[2], [0]]), **{n: inputs(N=2, T=2, H=2, K=64, state=False)[n]
+                                                       for n in ("q", "k", "v", "g", "beta")})),
+    "accepted without [N, S]": (ValueError, r"ssm_state_indices \[N, S\]", dict(num_accepted_tokens=torch.tensor([1, 1]))),
+    "a pool row not dense": (ValueError, "each row dense", dict(initial_state=torch.zeros(2, 3, 64, 64).transpose(0, 1))),
+    "an fp64 pool": (TypeError, "float32, bfloat16 or float16", dict(initial_state=torch.zeros(3, 2, 64, 64,
+                                                                                                  dtype=torch.float64))),
+    "out of the wrong dtype": (ValueError, "out must be", dict(out=torch.zeros(2, 1, 2, 64, dtype=torch.float16))),
+    "a negative pad slot": (TypeError, "pad_slot", dict(pad_slot=-1)),
+    "a pad slot without indices": (ValueError, "needs ssm_state_indices", dict(
+        ssm_state_indices=None, initial_state=torch.zeros(2, 2, 64, 64), pad_slot=0)),
+    "a NaN scale": (ValueError, "finite", dict(scale=float("nan"))),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_inputs_raise(case):
+    error, message, changes = BAD_INPUTS[case]
+    with pytest.raises(error, match=message):
+        make_decode_plan(**bad(**changes), sms=SMS)
+
+
+@gpu
+def test_decode_on_the_gpu_as_fla():
+    """kda_decode against FLA's fused_recurrent_kda_fwd on the same pool call: o and the pool rows
+    within FLA's own error against the float64 recurrence (at most twice it, or the floor)."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    from kda_opt.reference import error_bound
+    args = inputs(N=64, T=1, H=4, K=128, slots=160, indices=torch.randperm(160)[:64].tolist(), inplace=True,
+                  l2norm=True, beta_logits=True, v_first=True)
+    ref_o, ref_pool = reference_decode(**{**args, "initial_state": args["initial_state"].clone()})
+    fla_pool = args["initial_state"].clone()
+    fla_o, _ = fused_recurrent_kda_fwd(**{n: args[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias",
+                                                              "lower_bound", "ssm_state_indices")},
+                                       initial_state=fla_pool, inplace_final_state=True, state_v_first=True,
+                                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                       use_beta_sigmoid_in_kernel=True, cu_seqlens=None)
+    o, pool = kda_decode(**args)
+    rows = args["ssm_state_indices"]
+    assert rel_err(o, ref_o) <= error_bound(rel_err(fla_o, ref_o))
+    assert rel_err(pool[rows], ref_pool[rows]) <= error_bound(rel_err(fla_pool[rows], ref_pool[rows]))
