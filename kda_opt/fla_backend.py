@@ -1,7 +1,9 @@
-"""kda_opt as a backend of FLA 0.6.0's `chunk_kda`: after `kda_opt.use_in_fla()`, calls of
-`fla.ops.kda.chunk_kda` that kda_opt computes as FLA would (forward only, Hopper, K and V of 64 or
-128, chunk size 64; `KdaOptBackend.chunk_kda_verifier` lists them) run `kda_forward`; every other
-call runs FLA's own path. Set `FLA_KDA_OPT=0` to opt out.
+"""kda_opt as a backend of FLA 0.6.0's `chunk_kda` and of its decode kernel: after
+`kda_opt.use_in_fla()`, calls of `fla.ops.kda.chunk_kda` that kda_opt computes as FLA would (forward
+only, Hopper, K and V of 64 or 128, chunk size 64; `KdaOptBackend.chunk_kda_verifier` lists them)
+run `kda_forward`, and calls of `fused_recurrent_kda_fwd` (behind `fused_recurrent_kda`, and what
+vLLM calls to decode) that kda_decode takes run it (`KdaOptDecodeBackend`); every other call runs
+FLA's own path. Set `FLA_KDA_OPT=0` to opt out.
 
 fla is imported by `use_in_fla` only: `import kda_opt` works without it.
 """
@@ -9,9 +11,9 @@ import functools
 
 import torch
 
-from . import forward
+from . import decode, forward
 from .options import CHUNK
-from .plan import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, batch_entry_extent
+from .plan import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, batch_entry_extent, make_decode_plan
 from .wuso import INT32_MAX
 
 # chunk_kda's keywords past its named parameters that kda_opt takes; any other keyword is left to FLA.
@@ -30,6 +32,7 @@ def use_in_fla() -> None:
     from fla.ops.kda import chunk_kda
 
     register(chunk_kda)(_backend_class())
+    register("kda")(_decode_backend_class())
 
 
 def _on_hopper(device: torch.device) -> bool:
@@ -110,3 +113,60 @@ def _backend_class():
                 **{name: kwargs[name] for name in PASSED_WHEN_GIVEN if name in kwargs})
 
     return KdaOptBackend
+
+
+@functools.cache
+def _decode_backend_class():
+    """KdaOptDecodeBackend, built once, for FLA's operation registry "kda" (whose dispatched
+    functions it leaves alone but fused_recurrent_kda_fwd)."""
+    from fla.backends import BaseBackend
+
+    class KdaOptDecodeBackend(BaseBackend):
+        """kda_decode for the fused_recurrent_kda_fwd calls it computes as FLA does (see the verifier)."""
+
+        backend_type = "kda_opt"
+        package_name = "kda_opt"
+        env_var = "FLA_KDA_OPT"
+        default_enable = True
+        priority = 2
+
+        def fused_recurrent_kda_fwd_verifier(self, q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None,
+                                             scale=None, output_final_state=False, inplace_final_state=True,
+                                             state_v_first=False, cu_seqlens=None, ssm_state_indices=None,
+                                             num_accepted_tokens=None, use_qk_l2norm_in_kernel=False,
+                                             use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                                             allow_neg_eigval=False, lower_bound=None, out=None,
+                                             **kwargs) -> tuple[bool, str | None]:
+            """(True, None) if kda_decode takes the call, else (False, the reason): kda_decode's own
+            checks (an error is the reason), on Hopper, but FLA's per-token final states (indices
+            without inplace_final_state, with output_final_state)."""
+            if kwargs:
+                return False, f"unknown keyword {next(iter(kwargs))}"
+            if not _on_hopper(q.device):
+                return False, f"needs a CUDA GPU of compute capability 9.x, q is on {q.device}"
+            if ssm_state_indices is not None and output_final_state and not inplace_final_state:
+                return False, "per-token final states (ssm_state_indices, output_final_state, not in place)"
+            # (Its launch choices are not needed here, nor its device checks, which kda_decode's plan makes.)
+            make_decode_plan(**_decode_arguments(locals()), sms=1)
+            return True, None
+
+        def fused_recurrent_kda_fwd(self, q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None,
+                                    scale=None, output_final_state=False, inplace_final_state=True,
+                                    state_v_first=False, cu_seqlens=None, ssm_state_indices=None,
+                                    num_accepted_tokens=None, use_qk_l2norm_in_kernel=False,
+                                    use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                                    allow_neg_eigval=False, lower_bound=None, out=None, **kwargs):
+            """kda_decode on fused_recurrent_kda_fwd's arguments; returns (o, final_state) as it does."""
+            return decode.kda_decode(**_decode_arguments(locals()))
+
+    return KdaOptDecodeBackend
+
+
+def _decode_arguments(call: dict) -> dict:
+    """fused_recurrent_kda_fwd's arguments (its locals) as kda_decode's keywords: in place wins over
+    output_final_state, as in FLA."""
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "scale", "state_v_first", "cu_seqlens",
+             "ssm_state_indices", "num_accepted_tokens", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+             "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "lower_bound", "out", "inplace_final_state")
+    return {**{n: call[n] for n in names},
+            "output_final_state": call["output_final_state"] and not call["inplace_final_state"]}

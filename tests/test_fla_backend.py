@@ -206,3 +206,65 @@ def test_chunk_kda_is_kda_forward_on_gpu(registry, monkeypatch):
         o_fla, state_fla = chunk_kda(**call)
     assert len(calls) == 1                                          # FLA's own path ran
     assert rel_err(o_fla, o_ours) < 1e-2 and rel_err(state_fla, state_ours) < 1e-2
+
+
+# ---- the decode kernel: fused_recurrent_kda_fwd ----
+
+@pytest.fixture
+def decode_registry(monkeypatch):
+    """FLA's "kda" operation registry with kda_opt's decode backend registered; restored after."""
+    monkeypatch.delenv("FLA_KDA_OPT", raising=False)
+    registry = fla_backends._load_operation_registry("kda")
+    kda_opt.use_in_fla()
+    yield registry
+    registry._backends.pop("kda_opt", None)
+
+
+def decode_call(device="cpu", N=3, slots=5):
+    """fused_recurrent_kda_fwd's keywords for vLLM's decode step: one token per request, a V-first pool."""
+    call = kimi_call(device=device, B=N, T=1)
+    pool = torch.randn(slots, 2, 128, 128, device=device)
+    return {**{n: x for n, x in call.items() if n not in ("initial_state", "output_final_state")},
+            "initial_state": pool, "ssm_state_indices": torch.tensor([4, 0, 2], device=device),
+            "state_v_first": True, "lower_bound": -5.0}
+
+
+def test_decode_verifier(decode_registry, on_hopper):
+    backend = decode_registry._backends["kda_opt"]
+    assert backend.verify("fused_recurrent_kda_fwd", **decode_call()) == (True, None)
+    per_token = backend.verify("fused_recurrent_kda_fwd", **decode_call(), inplace_final_state=False,
+                               output_final_state=True)
+    assert per_token[0] is False and "per-token" in per_token[1]
+    bad = backend.verify("fused_recurrent_kda_fwd", **{**decode_call(), "ssm_state_indices": torch.tensor([1])})
+    assert bad[0] is False and "ssm_state_indices must have shape" in bad[1]
+    # Other functions of the registry have no verifier and no implementation here: FLA's own run.
+    assert backend.get_implementation("kda_gate_fwd") is None
+
+
+def test_decode_verifier_rejects_off_hopper(decode_registry, monkeypatch):
+    monkeypatch.setattr(fla_backend, "_on_hopper", lambda device: False)
+    accepted, reason = decode_registry._backends["kda_opt"].verify("fused_recurrent_kda_fwd", **decode_call())
+    assert not accepted and "compute capability 9" in reason
+
+
+def test_fused_recurrent_reaches_kda_decode(decode_registry, on_hopper, monkeypatch):
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    calls = []
+    monkeypatch.setattr(kda_opt.decode, "kda_decode", lambda **kwargs: calls.append(kwargs) or ("o", "pool"))
+    call = decode_call()
+    assert fused_recurrent_kda_fwd(**call, output_final_state=True) == ("o", "pool")
+    (kwargs,), = [calls]
+    assert kwargs["inplace_final_state"] is True and kwargs["output_final_state"] is False   # in place wins, as FLA
+    assert kwargs["ssm_state_indices"] is call["ssm_state_indices"] and kwargs["initial_state"] is call["initial_state"]
+    assert kwargs["state_v_first"] is True and kwargs["lower_bound"] == -5.0
+
+
+@gpu
+def test_fused_recurrent_is_kda_decode_on_gpu(decode_registry):
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    torch.manual_seed(0)
+    call = decode_call(device="cuda")
+    ours = kda_opt.kda_decode(**{**call, "initial_state": call["initial_state"].clone()}, inplace_final_state=True)
+    with torch.inference_mode():
+        routed = fused_recurrent_kda_fwd(**call)
+    assert torch.equal(routed[0], ours[0]) and torch.equal(routed[1], ours[1])
