@@ -184,8 +184,18 @@ def kda_decode(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_s
         (``inplace_final_state``), the new ``[N, …]`` states (``output_final_state``), or None.
 
     Needs a CUDA GPU of compute capability 9.0; forward only. No host-device synchronisation: it
-    may be captured in a CUDA graph.
+    may be captured in a CUDA graph. Under torch.compile it is one custom op (kda_opt/op:
+    ``torch.ops.kda_opt.decode``, or ``decode_in_place`` where it writes the pool or ``out``).
     """
+    if torch.compiler.is_compiling():
+        writes = inplace_final_state or out is not None
+        op = torch.ops.kda_opt.decode_in_place if writes else torch.ops.kda_opt.decode
+        o, final = op(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+                      use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                      lower_bound, state_v_first, cu_seqlens, inplace_final_state, ssm_state_indices,
+                      num_accepted_tokens, out, pad_slot)
+        return (o if out is None else out,
+                final if output_final_state else initial_state if inplace_final_state else None)
     plan, kernels = decode_plan_for(dict(locals()))
     return run(plan, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, ssm_state_indices,
                num_accepted_tokens, out, kernels=kernels)

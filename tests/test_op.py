@@ -70,3 +70,72 @@ def test_opcheck():
     a = random_inputs(1, 200, 2, 64, initial_state=True, seqlens=[50, 150])
     a.pop("cu_seqlens_cpu")
     torch.library.opcheck(torch.ops.kda_opt.forward.default, (), {**DEFAULTS, **a})
+
+
+# ---- torch.ops.kda_opt.decode (kda_decode) ----
+
+def decode_call(device, dtype=torch.bfloat16, N=4, T=1, H=2, K=128, pool=True, out=False):
+    """kda_decode's keywords: N requests of T tokens, a V-first pool of 2N + 8 rows at shuffled slots."""
+    t = lambda *shape, dt=dtype: torch.randn(*shape, device=device, dtype=dt)
+    a = dict(q=t(N, T, H, K), k=t(N, T, H, K), v=t(N, T, H, K), g=t(N, T, H, K), beta=t(N, T, H),
+             A_log=t(H, dt=torch.float32), dt_bias=t(H * K, dt=torch.float32), use_qk_l2norm_in_kernel=True,
+             use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, state_v_first=True)
+    if pool:
+        a.update(initial_state=t(2 * N + 8, H, K, K, dt=torch.float32), inplace_final_state=True,
+                 ssm_state_indices=torch.randperm(2 * N + 8, device=device)[:N])
+    else:
+        a.update(initial_state=t(N, H, K, K, dt=torch.float32), output_final_state=True)
+    if out:
+        a["out"] = torch.empty_like(a["v"])
+    return a
+
+
+DECODE_DEFAULTS = {n: p.default for n, p in inspect.signature(kda_opt.kda_decode).parameters.items()
+                   if p.default is not inspect.Parameter.empty}
+
+
+@cuda_build
+@pytest.mark.parametrize("pool", [False, True])
+@pytest.mark.parametrize("out", [False, True])
+def test_decode_fake_shapes(pool, out):
+    """o like v (empty where `out` takes it), the new final states or an empty tensor (in place)."""
+    with FakeTensorMode():
+        a = decode_call("cuda", pool=pool, out=out)
+        op = torch.ops.kda_opt.decode_in_place if pool or out else torch.ops.kda_opt.decode
+        o, final = op(**{**DECODE_DEFAULTS, **a})
+    assert o.shape == ((0,) if out else (4, 1, 2, 128))
+    assert final.shape == ((0,) if pool else (4, 2, 128, 128)) and final.dtype == torch.float32
+
+
+@gpu
+@pytest.mark.parametrize("pool", [False, True])
+def test_decode_compiled_equals_eager(pool):
+    torch.manual_seed(0)
+    a = decode_call("cuda", pool=pool, out=True)
+    eager = {**a, "initial_state": a["initial_state"].clone(), "out": torch.empty_like(a["v"])}
+    o, s = kda_opt.kda_decode(**eager)
+    oc, sc = torch.compile(lambda x: kda_opt.kda_decode(**x), fullgraph=True)(a)
+    assert torch.equal(oc, o) and oc is a["out"] and torch.equal(sc, s)
+
+
+@gpu
+def test_decode_graph_replay_on_new_data_equals_eager():
+    """A decode step captured in a CUDA graph (out given: the eager call allocates nothing), replayed
+    after new tokens and a new pool are copied into its buffers, gives the eager call's o and pool."""
+    torch.manual_seed(0)
+    a = decode_call("cuda", N=64, H=4, out=True)
+    warm = {**a, "initial_state": a["initial_state"].clone()}
+    kda_opt.kda_decode(**warm)                                      # plan and compile first
+    allocations = torch.cuda.memory_stats()["allocation.all.allocated"]
+    kda_opt.kda_decode(**warm)
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kda_opt.kda_decode(**a)
+    fresh = decode_call("cuda", N=64, H=4, out=True)
+    expected_o, expected_pool = kda_opt.kda_decode(**{**fresh, "ssm_state_indices": a["ssm_state_indices"],
+                                                      "initial_state": fresh["initial_state"].clone()})
+    for name in ("q", "k", "v", "g", "beta", "initial_state"):
+        a[name].copy_(fresh[name])
+    graph.replay()
+    assert torch.equal(a["out"], expected_o) and torch.equal(a["initial_state"], expected_pool)
