@@ -158,7 +158,7 @@ def test_plot_before_any_h32_row(tmp_path, recwarn):
     assert not [w for w in recwarn if "legend" in str(w.message)]
 
 
-@pytest.mark.parametrize("test", ["naive", "fla", "benchmark", "all", "host", "cp"])
+@pytest.mark.parametrize("test", ["naive", "fla", "benchmark", "all", "host", "cp", "decode"])
 def test_refuses_without_gpu(monkeypatch, capsys, test):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench.main(["--test", test]) == 2
@@ -395,3 +395,17 @@ def test_cp_rows_make_the_calls_they_name(monkeypatch):
         assert all(t["q"] is args["q"] for _, _, t in made[-3:])
     assert [k for k, _, _ in made] == ["ours", "sequential", "fla"] * 2
     assert all(p.parallel is False for k, p, _ in made if k == "sequential")
+
+
+def test_decode_rows_and_floor_bytes():
+    """--test decode's rows (kda_bench/decode): every decode size at each H and pool dtype, the verify
+    and mixed steps; the floor's bytes: a state read and written per request (per token in verify)."""
+    from kda_bench import decode
+    steps = decode.steps()
+    assert sum(m == "decode" for m, *_ in steps) == 5 * 3 * 2
+    assert {(n, t) for m, n, _, t, _, _ in steps if m == "verify"} == {(64, 4), (64, 8), (256, 4), (256, 8)}
+    assert [(n, sum(p)) for m, n, _, _, p, _ in steps if m == "mixed"] == [(256, 3584), (128, 4096)]
+    assert decode.state_bytes(64, 32, 1, "fp32", False) == 64 * 32 * 128 * 128 * 4 * 2
+    assert decode.state_bytes(64, 32, 4, "fp32", True) == 64 * 32 * 128 * 128 * 4 * 5
+    assert decode.state_bytes(8, 8, 1, "bf16", False) == 8 * 8 * 128 * 128 * 2 * 2
+    assert bench.parse_args(["--test", "decode"]).test == "decode"

@@ -9,6 +9,9 @@ Entry point: `python scripts/test.py ...`.
     --test all        the three above (default); --sweep runs the sweep instead
     --test host       host time per call of kda_forward, FLA and FlashKDA, eager against a CUDA graph
                       (kda_bench/host) → <out-dir>/host_<gpu>.csv
+    --test decode     decode, speculative verify and mixed steps: kda_decode / kda_forward, FLA's decode
+                      kernel, FlashKDA's folded call, the copy floor (kda_bench/decode)
+                      → <out-dir>/decode_<gpu>.csv
 Exit code: 0 when every check passes, 1 when a correctness check fails, 2 when the machine cannot
 run the request (no GPU, no fla-core).
 """
@@ -116,7 +119,7 @@ class Case:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="scripts/test.py", description=__doc__.splitlines()[0])
-    p.add_argument("--test", choices=["naive", "fla", "benchmark", "all", "host", "cp"], default="all")
+    p.add_argument("--test", choices=["naive", "fla", "benchmark", "all", "host", "cp", "decode"], default="all")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--num-heads", type=int, default=96)
@@ -557,7 +560,7 @@ def main(argv=None) -> int:
         from . import cp
         return cp.main_across_ranks(args.out_dir)
     fla = peers.fla_chunk_kda()
-    if fla is None and (args.sweep or args.test in ("fla", "benchmark", "all", "host", "cp")):
+    if fla is None and (args.sweep or args.test in ("fla", "benchmark", "all", "host", "cp", "decode")):
         return refuse(f"--test {args.test} needs fla-core (pip install 'kda-opt[bench]')")
     from triton import __version__ as triton_version
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton_version}, "
@@ -571,6 +574,16 @@ def main(argv=None) -> int:
         for r in rows:
             cells = [r[f] for f in host.FIELDS[1:]]
             print(f"{r['call']:42s} " + " ".join(f"{c:9.4f}" if isinstance(c, float) else f"{c:>9}" for c in cells))
+        return 0
+    if args.test == "decode":
+        from . import decode
+        rows = decode.decode_rows(fla, args.out_dir, args.warmup, args.rep)
+        print(f"\n{'mode':>6} {'N':>5} {'H':>3} {'T':>2} {'prefill':>7} {'state':>5} {'ours ms':>8} {'FLA ms':>8} "
+              f"{'FlashKDA':>8} {'floor':>7} {'% floor':>7} {'graph':>7} {'host':>7}")
+        for r in rows:
+            cells = [r[f] for f in decode.FIELDS[6:]]
+            print(f"{r['mode']:>6} {r['requests']:>5} {r['H']:>3} {r['tokens_per_request']:>2} {r['prefill_tokens']:>7} "
+                  f"{r['state_dtype']:>5} " + " ".join(f"{c:8.3f}" if isinstance(c, float) else f"{c:>8}" for c in cells))
         return 0
     if args.test == "cp":
         from . import cp
