@@ -16,7 +16,7 @@ import sys
 import torch
 
 from kda_bench.inputs import random_inputs
-from kda_opt import kda_forward
+from kda_opt import kda_decode, kda_forward
 from kda_opt.forward import Prepared
 from kda_opt.plan import Tuning
 from tests.test_forward import run_tuned
@@ -35,6 +35,18 @@ def pool_call(lens, slots, rows, v_first=False, dtype=torch.float32, has=None, *
     if has is not None:
         args["has_initial_state"] = torch.tensor(has, device="cuda")
     return args
+
+
+def decode_call(lens, slots, rows, v_first=False, **call):
+    """kda_decode's keywords for Kimi's call on packed requests of `lens` tokens, a pool of `rows`
+    rows (each padded by 16 elements) written in place at `slots` (None: no pool)."""
+    args = random_inputs(1, sum(lens), H, K, seqlens=lens, output_final_state=False, l2norm=True, beta_logits=True)
+    args = {n: args[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "lower_bound", "cu_seqlens",
+                                 "use_gate_in_kernel", "use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel")}
+    if slots is not None:
+        pool = torch.randn(rows, H * K * K + 16, device="cuda")[:, :H * K * K].view(rows, H, K, K)
+        args.update(initial_state=pool, ssm_state_indices=slots.to("cuda"), inplace_final_state=True)
+    return {**args, "state_v_first": v_first, **call}
 
 
 def checkpointed(lens, every, ck_dtype=torch.float32, offsets=None, **call):
@@ -80,6 +92,14 @@ CALLS = {
     "grouped value heads": lambda: kda_forward(**random_inputs(1, 200, H, K, HV=2 * H, initial_state=True)),
     "K = V = 64, packed": lambda: kda_forward(**random_inputs(1, sum(MIXED), H, 64, seqlens=MIXED,
                                                               initial_state=True, gate="softplus")),
+    "decode, a pool with −1, past-the-pool and pad slots": lambda: kda_decode(**decode_call(
+        [1] * 6, torch.tensor([5, -1, 0, 9, 2, 0]), 6, pad_slot=0)),
+    "decode, dense states, final states": lambda: kda_decode(**{
+        **decode_call([1, 3, 0, 2], None, 0), "initial_state": torch.randn(4, H, K, K, device="cuda"),
+        "output_final_state": True}),
+    "verify, [N, S] slots, accepted counts": lambda: kda_decode(**decode_call(
+        [4, 2, 3], torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]), 12,
+        num_accepted_tokens=torch.tensor([4, 0, 2], device="cuda"), v_first=True)),
 }
 
 
