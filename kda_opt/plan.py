@@ -73,8 +73,8 @@ class ParallelCut:
 
 
 @dataclass(frozen=True)
-class Plan:
-    """One call, resolved. Shapes: q, k [B, T, H, K], v [B, T, HV, V]; N sequences (B, or packed)."""
+class Sizes:
+    """A call's sizes: q, k [B, T, H, K], v [B, T, HV, V]; N sequences (B, or packed)."""
     B: int
     T: int
     H: int
@@ -82,6 +82,11 @@ class Plan:
     HV: int
     V: int
     N: int
+
+
+@dataclass(frozen=True)
+class Plan(Sizes):
+    """One kda_forward call, resolved."""
     dtype: torch.dtype            # q, k and v's
     scale: float
     gate: GateConfig
@@ -194,19 +199,26 @@ def plan_for(arguments: dict) -> tuple[Plan, Kernels]:
     """make_plan(**arguments) (kda_forward's arguments by name, the default tuning) made once per call
     signature (module docstring), and the table of the plan's compiled Triton kernels
     (kda_opt/launch). The host copies' values are checked on every call."""
-    key = _signature(arguments)
-    entry = None if key is None else _plans.get(key)
-    if entry is None:
-        entry = (make_plan(**arguments), Kernels())
-        if key is not None:
-            if len(_plans) >= PLAN_CACHE_SIZE:
-                del _plans[next(iter(_plans))]
-            _plans[key] = entry
-    else:
+    entry, made = _cached(_signature(arguments), lambda: make_plan(**arguments))
+    if not made:
         check_host_copies(arguments["q"].shape[1], arguments["cu_seqlens_cpu"],
                           arguments["initial_state_indices_cpu"], arguments["initial_state"], arguments["checkpoints"],
                           arguments["checkpoint_every"])
     return entry
+
+
+def _cached(key: tuple | None, make) -> tuple[tuple, bool]:
+    """((plan, its Kernels table), whether made now): the cache's entry of `key`, or make()'s, kept
+    under `key` (the oldest dropped past PLAN_CACHE_SIZE; a None key is not kept)."""
+    entry = None if key is None else _plans.get(key)
+    if entry is not None:
+        return entry, False
+    entry = (make(), Kernels())
+    if key is not None:
+        if len(_plans) >= PLAN_CACHE_SIZE:
+            del _plans[next(iter(_plans))]
+        _plans[key] = entry
+    return entry, True
 
 
 def _signature(arguments: dict, tensors=TENSOR_ARGUMENTS, options=OPTION_ARGUMENTS) -> tuple | None:
@@ -548,16 +560,9 @@ def _validate_seqlens(cu_seqlens, cu_seqlens_cpu, B) -> int:
 # ---- kda_decode's plan (kda_opt/decode) ----
 
 @dataclass(frozen=True)
-class DecodePlan:
+class DecodePlan(Sizes):
     """One kda_decode call, resolved: N requests of T tokens (packed: T of the call, lengths from
     cu_seqlens); what its kernel reads and writes (kda_opt/decode's READ / WRITE codes)."""
-    B: int
-    T: int
-    H: int
-    K: int
-    HV: int
-    V: int
-    N: int
     scale: float
     gate: GateConfig
     gate_mode: int                # kda_opt/gate's PREACTIVATED, SIGMOID or SOFTPLUS
@@ -640,15 +645,7 @@ def decode_plan_for(arguments: dict) -> tuple[DecodePlan, Kernels]:
     """make_decode_plan(**arguments) made once per call signature (as plan_for), with its table of
     compiled kernels."""
     key = _signature(arguments, DECODE_TENSORS, DECODE_OPTIONS)
-    key = None if key is None else ("decode", *key)
-    entry = None if key is None else _plans.get(key)
-    if entry is None:
-        entry = (make_decode_plan(**arguments), Kernels())
-        if key is not None:
-            if len(_plans) >= PLAN_CACHE_SIZE:
-                del _plans[next(iter(_plans))]
-            _plans[key] = entry
-    return entry
+    return _cached(None if key is None else ("decode", *key), lambda: make_decode_plan(**arguments))[0]
 
 
 def _validate_decode_serving(q, v, N, initial_state, output_final_state, inplace_final_state, indices, accepted,
