@@ -13,32 +13,12 @@ Triton kernels, launched without the JIT's per-call work (kda_opt/launch). Each 
 `launch`, inside an NVTX range of the `kda_opt` domain where KDA_OPT_NVTX=1 asks for them; nothing
 here waits on the device.
 
-Time segments (kda_opt/plan decides them): stages 1–3 of segment s + 1 run on a second stream while
-stage 4 runs segment s on the SMs it leaves idle, and each segment's final state (fp32, as stage 4
-keeps it) is the next one's initial state: the same numbers as one pass. The caller's stream waits
-for the second stream's work before each stage 4, so the result is ordered on it as usual.
-
-Parallel segments (kda_opt/plan decides them, where few heads and a long sequence leave the SMs
-idle): a segment's passage is affine in its start, S_out = M S_in + h, per value head, with h its
-final state from zero and M [K, K] the product of its chunks' transitions Diag(2^Γ_last) − (k ⊙
-2^(Γ_last − Γ))ᵀ Tm (2^Γ ⊙ k). Stages 1–3 run once over the whole call (their outputs are
-chunk-local, and segments start at whole chunks), then stage 4 three times over the segments as
-packed sequences: (1) segments 0 .. S − 2, segment 0 from the call's initial state and the others
-from zero, giving h (and segment 0's o and checkpoints); (2) the transitions M of segments 1 .. S − 2
-(stage 4 with v = 0 over K state columns from S_in = I, no o); then the merge, S_{j+1} = M_j S_j + h_j
-in float64 (S − 2 small products); (3) segments 1 .. S − 1 from their true starts, giving their o,
-checkpoints and the final state. Packed sequences with their host copy (cu_seqlens_cpu) are cut on
-each call: the long ones into segments, the others whole, every sequence's rows in order as pieces,
-and each pass runs the run of pieces it needs (_parallel_packed). Three passes, each with every
-(segment, head) program at once, against one pass whose chain is the longest sequence. The result is
-that of one pass up to the rounding of M's 16-bit product operands, within one pass's error against
-the float64 recurrence (tests/test_parallel.py).
+A call runs in one pass, or in time segments or parallel segments (kda_opt/plan decides which),
+whose schedules are kda_opt/schedules'.
 """
 import contextlib
 import functools
-import itertools
 import math
-from typing import NamedTuple
 
 import nvtx
 import torch
@@ -46,10 +26,11 @@ import torch
 from .gate import gate_cumsum
 from .intra import intra_chunk
 from .launch import Kernels, annotated, direct, nvtx_enabled
-from .options import CHUNK, state_shape
-from .plan import Plan, Tuning, cut_sequences, make_plan, plan_for
+from .options import CHUNK
+from .plan import Plan, Tuning, make_plan, plan_for
+from .schedules import final_states, packed_pieces, parallel, parallel_packed, pipelined, units
 from .seqs import block_offsets, packed, phased
-from .wuso import block_v_for, wuso
+from .wuso import wuso
 
 
 def kda_forward(
@@ -263,20 +244,20 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
             seqs, rows = launch("seqs", phased, cu_seqlens, checkpoint_offsets, plan.T, plan.checkpoint_every, kernels)
         elif plan.packed:
             seqs = launch("seqs", packed, cu_seqlens, plan.T, kernels)
-        final = initial_state if plan.state_pool else _final_state(plan, v) if plan.output_final_state else None
+        final = initial_state if plan.state_pool else final_states(plan, v) if plan.output_final_state else None
         state = dict(initial_state=initial_state, final_state=final, slots=initial_state_indices,
                      read_slots=plan.state_pool, write_slots=plan.state_pool, has_initial_state=has_initial_state)
         if plan.parallel:
-            o = _parallel(plan, q, k, v, g, beta, state, checkpoints, prepare, stage4)
-        elif (cut := _cut(plan, cu_seqlens_cpu)) is not None:
-            o = _parallel_packed(plan, q, k, v, g, beta, seqs, state, checkpoints, prepare, stage4, *cut)
+            o = parallel(plan, q, k, v, g, beta, state, checkpoints, prepare, stage4)
+        elif (cut := packed_pieces(plan, cu_seqlens_cpu)) is not None:
+            o = parallel_packed(plan, q, k, v, g, beta, seqs, state, checkpoints, prepare, stage4, *cut)
         elif len(plan.segments) == 1:
             gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, seqs)
             o = stage4(q, k, v, gcum, Tm, Aqk, **state, checkpoints=checkpoints,
                        checkpoint_rows=rows if rows is not None else _checkpoint_rows(plan, checkpoints, seqs, kernels),
                        checkpoint_first=checkpoint_offsets, cu_seqlens=cu_seqlens, qk_rstd=rstd, beta_residual=r)
         else:
-            o = _pipelined(plan, q, k, v, g, beta, state, checkpoints, prepare, stage4)
+            o = pipelined(plan, q, k, v, g, beta, state, checkpoints, prepare, stage4)
         return o, None if plan.state_pool else final
 
 
@@ -302,8 +283,8 @@ class Prepared:
     kda_forward's arguments without a state, pool or checkpoints (B ≥ 1, or packed sequences).
     ends(initial_state) gives (o, final states fp32) as kda_forward(..., initial_state,
     output_final_state=True) does, but for stages 1–3 (one time segment: nothing is left for them to
-    overlap); transition() the transitions M [N, HV, K, K] fp32 (module docstring, "Parallel
-    segments"): each sequence's final state is M S_0 + its final state from zero for any S_0 [K, V]
+    overlap); transition() the transitions M [N, HV, K, K] fp32 (kda_opt/schedules,
+    "Parallel segments"): each sequence's final state is M S_0 + its final state from zero for any S_0 [K, V]
     (in the K-first layout; V-first, S_0ᵀ Mᵀ). For context parallelism (kda_opt/distributed),
     where a slice of a sequence runs from zero and then from its true start."""
 
@@ -333,7 +314,7 @@ class Prepared:
         gcum, Aqk, Tm, r, rstd = self.made
         M = v.new_empty((plan.N, plan.HV, plan.K, plan.K), dtype=torch.float32)
         wuso(q, k, v, gcum, Tm, Aqk, plan.scale, math.gcd(plan.block_v, plan.K),
-             initial_state=_units(q.device, plan.HV, plan.K), read_slots=True,
+             initial_state=units(q.device, plan.HV, plan.K), read_slots=True,
              slots=torch.zeros(plan.N, dtype=torch.int32, device=q.device), final_state=M,
              cu_seqlens=self.cu_seqlens, qk_rstd=rstd, beta_residual=r, transition=True,
              worker_warps=plan.worker_warps)
@@ -350,11 +331,6 @@ def _checkpoint_rows(plan: Plan, checkpoints, seqs, kernels):
     return block_offsets(seqs.cu_seqlens, plan.T, plan.checkpoint_every, kernels)
 
 
-def _final_state(plan: Plan, like: torch.Tensor) -> torch.Tensor:
-    """An fp32 state for each of the plan's sequences, in its layout."""
-    return like.new_empty(state_shape(plan.N, plan.HV, plan.K, plan.V, plan.state_v_first), dtype=torch.float32)
-
-
 def _stages_1_to_3(plan: Plan, launch, kernels, q, k, g, beta, seqs=None, *, A_log, dt_bias):
     """Stages 1–3 over q, k, g, beta [B, T, ...] (seqs: their layout; None: B sequences of T tokens):
     Γ, Aqk, Tm, β's residual r [B, HV, T] (plan.beta_residual, else None) and the q/k norms
@@ -367,234 +343,3 @@ def _stages_1_to_3(plan: Plan, launch, kernels, q, k, g, beta, seqs=None, *, A_l
                      seqs=seqs, l2norm=plan.l2norm, beta_sigmoid=plan.beta_sigmoid, beta_residual=r, qk_rstd=rstd,
                      num_warps=plan.intra_warps, kernels=kernels)
     return gcum, Aqk, Tm, r, rstd
-
-
-def _parallel(plan: Plan, q, k, v, g, beta, state, checkpoints, prepare, stage4):
-    """o over plan.segments of one sequence (B = 1) run at once (module docstring, "Parallel
-    segments"); `state` holds stage 4's state arguments of the whole call. A pool slot is read by
-    segment 0 and written by the last; a dense final state is the last segment's row of its own
-    buffer, copied."""
-    S = len(plan.segments)
-    bounds, first_rows, no_slot, zero_slot = _segment_tables(q.device, plan.segments, plan.checkpoint_every)
-    gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta)
-    common = dict(qk_rstd=rstd, beta_residual=r)
-    o = torch.empty_like(v)
-    # Pass 1: segments 0 .. S − 2 from zero (segment 0 from the call's initial state: its slot, or
-    # row 0 of a dense state, where the others read none), and their transitions from I (1 .. S − 2).
-    pool, initial, mask = state["read_slots"], state["initial_state"], state["has_initial_state"]
-    slots = None
-    if initial is not None:
-        slots = torch.cat((state["slots"].to(torch.int32) if pool else zero_slot[:1], no_slot[:S - 2]))
-        if mask is not None:
-            mask = torch.cat((mask, mask.new_zeros(S - 2)))
-    h = v.new_empty((S - 1, *_state_row(plan)), dtype=torch.float32)
-    stage4(q, k, v, gcum, Tm, Aqk, initial_state=initial, slots=slots, read_slots=initial is not None,
-           has_initial_state=mask, final_state=h, cu_seqlens=bounds[:S], out=o, checkpoints=checkpoints,
-           checkpoint_rows=None if checkpoints is None else first_rows, **common)
-    M = v.new_empty((S - 2, plan.HV, plan.K, plan.K), dtype=torch.float32)
-    stage4(q, k, v, gcum, Tm, Aqk, initial_state=_units(q.device, plan.HV, plan.K), slots=zero_slot[:S - 2],
-           read_slots=True, final_state=M, cu_seqlens=bounds[1:S], transition=True, state_v_first=False, **common)
-    starts = merge(h, M, plan.state_v_first)
-    # Pass 2: segments 1 .. S − 1 from their true starts; the last writes the call's final state.
-    final, pool = state["final_state"], state["write_slots"]
-    ends = None if final is None or pool else torch.empty_like(starts)
-    stage4(q, k, v, gcum, Tm, Aqk, initial_state=starts, final_state=final if pool else ends, write_slots=pool,
-           slots=torch.cat((no_slot[:S - 2], state["slots"].to(torch.int32))) if pool else None,
-           cu_seqlens=bounds[1:], out=o, checkpoints=checkpoints,
-           checkpoint_rows=None if checkpoints is None else first_rows[1:], **common)
-    if ends is not None:
-        final.copy_(ends[-1:])
-    return o
-
-
-def _cut(plan: Plan, cu_seqlens_cpu) -> tuple[tuple[tuple[int, int, int], ...], int] | None:
-    """Packed sequences with their host copy: the pieces (n, t0, t1) they run as in parallel
-    segments on this call (kda_opt/plan.cut_sequences), with their V block; else None."""
-    cut = plan.parallel_cut
-    pieces = None if cut is None or cu_seqlens_cpu is None else cut_sequences(cu_seqlens_cpu.tolist(), plan.HV, cut)
-    if pieces is None:
-        return None
-    return pieces, cut.block_v or block_v_for(len(pieces) * plan.HV, math.gcd(plan.V, plan.K), cut.sms, plan.dtype)
-
-
-def _parallel_packed(plan: Plan, q, k, v, g, beta, seqs, state, checkpoints, prepare, stage4, pieces, block_v):
-    """o over `pieces` ((n, t0, t1), ...: every packed sequence's rows in order, the long ones cut into
-    segments) run at once (module docstring, "Parallel segments"): three stage-4 passes, each over the
-    run of pieces it needs. `state` holds stage 4's state arguments of the whole call: a sequence's
-    first piece reads its initial state (a pool slot too), its last writes its final state. Where
-    _parallel (one sequence) reads the call's state in its first pass and merges into the last pass's
-    starts directly, here the starts of every piece are gathered into one buffer first (pass 3 runs
-    whole sequences from their initial states beside cut pieces from merged ones)."""
-    P = len(pieces)
-    t = _piece_tables(q.device, pieces, plan.N, plan.checkpoint_every)
-    gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, seqs)
-    common = dict(qk_rstd=rstd, beta_residual=r)
-    o = torch.empty_like(v)
-    # Each piece's start, fp32 (a row more: where the merge's padding lands): a sequence's first
-    # piece from its initial state, the others from zero until the merge gives them theirs.
-    starts = v.new_zeros((P + 1, *_state_row(plan)), dtype=torch.float32)
-    if state["initial_state"] is not None:
-        starts.index_copy_(0, t.first, _initial_states(state))
-    # Pass 1: the cut sequences' pieces but their last, h (their final states from those starts), with
-    # o and checkpoints (final for first pieces that pass 3 skips); pass 2: their middle pieces'
-    # transitions M, from I with v = 0 over K state columns.
-    # Rows no pass writes (the last pieces' and the spare) reach only merged states nothing reads:
-    # zeros, so that the merge reads no memory never written.
-    h, M = torch.empty_like(starts), v.new_empty((P + 1, plan.HV, plan.K, plan.K), dtype=torch.float32)
-    for x, (lo, hi) in ((h, t.h_pieces), (M, t.m_pieces)):
-        x[:lo].zero_()
-        x[hi:].zero_()
-    lo, hi = t.h_pieces
-    stage4(q, k, v, gcum, Tm, Aqk, initial_state=starts[lo:], final_state=h[lo:hi], cu_seqlens=t.bounds[lo:hi + 1],
-           out=o, checkpoints=checkpoints, checkpoint_rows=None if checkpoints is None else t.ck_rows[lo:hi],
-           block_v=block_v, **common)
-    lo, hi = t.m_pieces
-    stage4(q, k, v, gcum, Tm, Aqk, initial_state=_units(q.device, plan.HV, plan.K), slots=t.zeros[lo:hi],
-           read_slots=True, final_state=M[lo:hi], cu_seqlens=t.bounds[lo:hi + 1], transition=True,
-           state_v_first=False, block_v=math.gcd(block_v, plan.K), **common)
-    # A cut sequence's piece j + 1 starts where piece j ends, M_j S_j + h_j, and its first piece ends
-    # at h_0 (grid: [pieces, cut sequences], padded with the spare row).
-    ends = merge(h[t.grid], M[t.grid[1:]], plan.state_v_first)
-    starts.index_copy_(0, t.grid[1:].flatten(), ends[:-1].flatten(0, 1))
-    # Pass 3: every piece from the first that is not a cut sequence's first, from its true start: o,
-    # checkpoints, and by each last piece its sequence's final state (a dense state's row n, or its
-    # pool slot).
-    final, pool = state["final_state"], state["write_slots"]
-    slots = None
-    if final is not None:
-        rows = state["slots"].to(torch.int32) if pool else _sequence_rows(q.device, plan.N)
-        slots = t.no_slots.index_copy(0, t.last, rows)
-    lo, hi = t.o_pieces
-    stage4(q, k, v, gcum, Tm, Aqk, initial_state=starts[lo:], final_state=final,
-           slots=None if slots is None else slots[lo:hi], write_slots=final is not None,
-           cu_seqlens=t.bounds[lo:hi + 1], out=o, checkpoints=checkpoints,
-           checkpoint_rows=None if checkpoints is None else t.ck_rows[lo:hi], block_v=block_v, **common)
-    return o
-
-
-def _initial_states(state) -> torch.Tensor:
-    """Each sequence's initial state as stage 4 reads it, fp32 [N, ...]: a pool's rows at the slots
-    (zeros where a slot is outside the pool), zeros where has_initial_state is false."""
-    initial, use = state["initial_state"], state["has_initial_state"]
-    if state["read_slots"]:
-        slots = state["slots"].long()
-        inside = (slots >= 0) & (slots < initial.shape[0])
-        initial = initial[slots.clamp(0, initial.shape[0] - 1)]
-        use = inside if use is None else inside & use
-    initial = initial.float()
-    return initial if use is None else torch.where(use.view(-1, 1, 1, 1), initial, 0.0)
-
-
-def merge(h: torch.Tensor, M: torch.Tensor, v_first: bool = False) -> torch.Tensor:
-    """The states after each of n consecutive segments, [n, HV, K, V] fp32 ([n, HV, V, K] v_first):
-    from h [n, …] (each segment's final state from zero; the first's from the true start) and M
-    [n − 1, HV, K, K] (the transitions of segments 1 .. n − 1), S_0 = h_0, S_j = M_{j−1} S_{j−1} + h_j,
-    in float64 (n − 1 steps of [K, K] × [K, V] per head)."""
-    starts = [h[0].double()]
-    for j in range(1, h.shape[0]):
-        prev = starts[-1].transpose(-1, -2) if v_first else starts[-1]
-        step = M[j - 1].double() @ prev
-        starts.append((step.transpose(-1, -2) if v_first else step) + h[j].double())
-    return torch.stack(starts).float()
-
-
-def _state_row(plan: Plan) -> tuple[int, int, int]:
-    """One sequence's state shape without N: [HV, K, V], or [HV, V, K] V-first."""
-    return state_shape(1, plan.HV, plan.K, plan.V, plan.state_v_first)[1:]
-
-
-@functools.lru_cache(maxsize=64)
-def _segment_tables(device: torch.device, segments, checkpoint_every: int):
-    """Parallel segments' int32 device tables: their bounds [S + 1] (as cu_seqlens), each one's first
-    checkpoint row [S], and slot rows [S] of −1 (no state read or written) and of 0."""
-    bounds = torch.tensor([t0 for t0, _ in segments] + [segments[-1][1]], dtype=torch.int32, device=device)
-    first_rows = torch.tensor([t0 // checkpoint_every for t0, _ in segments], dtype=torch.int32, device=device)
-    no_slot = torch.full((len(segments),), -1, dtype=torch.int32, device=device)
-    return bounds, first_rows, no_slot, torch.zeros_like(no_slot)
-
-
-class _Pieces(NamedTuple):
-    """Parallel segments' tables (_piece_tables)."""
-    bounds: torch.Tensor        # [P + 1] int32: the pieces' bounds, as cu_seqlens
-    ck_rows: torch.Tensor       # [P] int32: each piece's first checkpoint row
-    first: torch.Tensor         # [N] int64: each sequence's first piece
-    last: torch.Tensor          # [N] int64: and its last
-    grid: torch.Tensor          # [most pieces, cut sequences] int64: the cut sequences' pieces, padded with P
-    zeros: torch.Tensor         # [P] int32 slot rows of 0
-    no_slots: torch.Tensor      # [P] int32 slot rows of −1
-    h_pieces: tuple[int, int]   # the run of pieces pass 1 takes: from the first to the last cut sequence's last but one
-    m_pieces: tuple[int, int]   # pass 2: their middle pieces' run
-    o_pieces: tuple[int, int]   # pass 3: from the first piece that is not a cut sequence's first, to the end
-
-
-@functools.lru_cache(maxsize=64)
-def _piece_tables(device: torch.device, pieces, N: int, checkpoint_every: int) -> _Pieces:
-    """_parallel_packed's tables for pieces (n, t0, t1) of N sequences, at least one of them cut: checkpoint
-    rows as packed checkpoints are laid out (sequence n's from Σ_{m<n} cdiv(len_m, checkpoint_every));
-    the device ones copied from pinned memory, without waiting for the device."""
-    P = len(pieces)
-    first, last, lengths = [P] * N, [0] * N, [0] * N
-    for p, (n, t0, t1) in enumerate(pieces):
-        first[n], last[n], lengths[n] = min(first[n], p), p, lengths[n] + t1 - t0
-    rows = list(itertools.accumulate((-(-x // checkpoint_every) for x in lengths), initial=0))
-    ck_rows = [rows[n] + (t0 - pieces[first[n]][1]) // checkpoint_every for n, t0, _ in pieces]
-    cut = [n for n in range(N) if last[n] > first[n]]
-    depth = max(last[n] - first[n] + 1 for n in cut)
-    grid = [first[n] + j if first[n] + j <= last[n] else P for j in range(depth) for n in cut]
-    firsts = {first[n] for n in cut}
-    rest = [p for p in range(P) if p not in firsts]
-    host = torch.tensor([t0 for _, t0, _ in pieces] + [pieces[-1][2]] + ck_rows + first + last + [0] * P + [-1] * P
-                        + grid, dtype=torch.int32)
-    host = host.pin_memory() if device.type == "cuda" else host
-    table = host.to(device, non_blocking=True)
-    bounds, ck, fst, lst, zeros, none, flat = table.split((P + 1, P, N, N, P, P, len(grid)))
-    return _Pieces(bounds, ck, fst.long(), lst.long(), flat.long().view(depth, len(cut)), zeros, none,
-                   (first[cut[0]], last[cut[-1]]), (first[cut[0]] + 1, last[cut[-1]]), (rest[0], rest[-1] + 1))
-
-
-@functools.lru_cache(maxsize=16)
-def _sequence_rows(device: torch.device, N: int) -> torch.Tensor:
-    """0 .. N − 1, int32: sequence n's row of a dense final state, which pass 3 writes as a slot."""
-    return torch.arange(N, dtype=torch.int32, device=device)
-
-
-@functools.lru_cache(maxsize=16)
-def _units(device: torch.device, HV: int, K: int) -> torch.Tensor:
-    """I [1, HV, K, K] fp32: the start from which stage 4's transition mode gives a transition."""
-    return torch.eye(K, device=device).expand(1, HV, K, K).contiguous()
-
-
-@functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
-
-
-def _pipelined(plan: Plan, q, k, v, g, beta, state, checkpoints, prepare, stage4):
-    """o over plan.segments of one sequence (B = 1): stages 1–3 of each segment on a side stream,
-    stage 4 on the caller's, which waits for them. `state` holds stage 4's state arguments of the
-    whole call: the first segment reads the initial state (a pool row too), the last writes the
-    final one; between them the state is handed on in fp32 (two buffers in turn)."""
-    main = torch.cuda.current_stream(q.device)
-    side = _side_stream(q.device)
-    side.wait_stream(main)                      # q, k, v, g, beta as the caller's stream left them
-    o = torch.empty_like(v)
-    handed = [_final_state(plan, v), _final_state(plan, v)]
-    last = len(plan.segments) - 1
-    for i, (t0, t1) in enumerate(plan.segments):
-        part = lambda x: x[:, t0:t1]            # B = 1: a view of whole token rows
-        with torch.cuda.stream(side):
-            made = prepare(part(q), part(k), part(g), part(beta))
-            ready = side.record_event()
-        for x in made:
-            if x is not None:
-                x.record_stream(main)           # allocated on the side stream, read on the caller's
-        main.wait_event(ready)
-        gcum, Aqk, Tm, r, rstd = made
-        reads = dict(initial_state=state["initial_state"], has_initial_state=state["has_initial_state"]) if i == 0 \
-            else dict(initial_state=handed[(i - 1) % 2])
-        rows = None if checkpoints is None else checkpoints[:, t0 // plan.checkpoint_every:]
-        stage4(part(q), part(k), part(v), gcum, Tm, Aqk, **reads,
-               final_state=state["final_state"] if i == last else handed[i % 2], slots=state["slots"],
-               read_slots=i == 0 and state["read_slots"], write_slots=i == last and state["write_slots"],
-               checkpoints=rows, qk_rstd=rstd, beta_residual=r, out=part(o))
-    return o

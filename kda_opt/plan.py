@@ -20,7 +20,7 @@ There a lone sequence is cut at chunk boundaries into segments (time_segments) t
 overlaps: stages 1–3 of segment s + 1 beside stage 4 of segment s.
 
 Parallel segments. Where a lone sequence is long and its heads few, its segments run at once
-instead (kda_opt/forward, "Parallel segments": three stage-4 passes over the segments and a merge of
+instead (kda_opt/schedules, "Parallel segments": three stage-4 passes over the segments and a merge of
 their transitions): one wave of (segment, value head) programs at the widest V block that fits
 (parallel_segments), where that measured faster than the time segments (_parallel_pays). Packed
 sequences whose lengths the call gives on the host (cu_seqlens_cpu) are cut so on every call where

@@ -17,7 +17,7 @@ whose TMA descriptor each program would write to memory); where the launcher is 
 the state after every E chunks into a checkpoint buffer (packed, from a first checkpoint at a given
 offset: each sequence's head in a launch of its own, HEADS, then the rest, PHASED); or, in the
 transition mode, v = 0 over K state columns and no o, so that from S0 = I the final state is the
-sequence's transition M (kda_opt/forward, "Parallel segments").
+sequence's transition M (kda_opt/schedules, "Parallel segments").
 Products take 16-bit operands with fp32 accumulation; for fp32 inputs tf32 ones (fp32 operands compile
 to products on the CUDA cores that spill kilobytes per thread; tf32 ones to tensor-core products, whose
 error against float64 stays below FLA's own in fp32: tests/test_forward.py). For bf16 inputs O's Aqk V'
@@ -530,9 +530,9 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
     (l2norm). beta_residual: stage 2's r [B, HV, T] fp32 (module docstring). transition: v taken as
     zero over K state columns, no o (returns None): from initial states I [N, HV, K, K] the final
     states are each sequence's transition M, S_out = M S_in + (its final state from zero), which
-    kda_opt/forward's parallel segments merge. out: o's storage, a
+    kda_opt/schedules' parallel segments merge. out: o's storage, a
     [B, T, HV, V] tensor of v's dtype whose rows are contiguous (a slice along T of a B = 1 tensor,
-    kda_opt/forward's time segments), or None for a new one. short_sequences (packed): two launches, the
+    kda_opt/schedules' time segments), or None for a new one. short_sequences (packed): two launches, the
     sequences longer than a chunk and those of at most one chunk (_one_chunk), each skipping the
     other's. worker_warps: the kernel's worker warps. A written pool or checkpoint buffer of one row
     is written through a two-row copy (_two_rows)."""

@@ -111,8 +111,8 @@ def test_packed_slices_across_processes_equal_one_pass(tmp_path, world, call, la
 
 
 def test_merge_of_states_and_transitions():
-    """forward.merge: S_0 = h_0, S_j = M_{j−1} S_{j−1} + h_j per head, K-first and V-first."""
-    from kda_opt.forward import merge
+    """schedules.merge: S_0 = h_0, S_j = M_{j−1} S_{j−1} + h_j per head, K-first and V-first."""
+    from kda_opt.schedules import merge
     gen = torch.Generator().manual_seed(0)
     h, M = torch.randn(4, 2, 8, 5, generator=gen), torch.randn(3, 2, 8, 8, generator=gen)
     S = [h[0].double()]

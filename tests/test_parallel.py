@@ -84,10 +84,11 @@ def test_parallel_segments_with_a_pool_and_checkpoints(state_v_first):
 def test_slices_by_kda_opt_merged_equal_one_pass(call):
     """kda_opt/distributed's steps on one GPU without a collective: three slices of one sequence (not
     multiples of 64), each slice's stages 1–3 once (forward.Prepared), its final state from zero and transition
-    by kda_opt, merged (forward.merge), each slice from its start: one pass's o and final state within
+    by kda_opt, merged (schedules.merge), each slice from its start: one pass's o and final state within
     its error bound; the transition against the float64 reference's (v = 0 from I)."""
     from kda_opt.distributed import ReferenceEngine
-    from kda_opt.forward import Prepared, merge
+    from kda_opt.forward import Prepared
+    from kda_opt.schedules import merge
     args = slow(random_inputs(1, 1000, 2, 128, seed=53, **CALLS[call]))
     initial = args.pop("initial_state")
     args.pop("output_final_state")

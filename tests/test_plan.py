@@ -8,7 +8,7 @@ import torch
 
 from kda_bench.inputs import PER_TOKEN, random_inputs
 from kda_opt import kda_forward
-from kda_opt.forward import _piece_tables
+from kda_opt.schedules import piece_tables
 from kda_opt.intra import FP32_WARPS, NUM_WARPS
 from kda_opt.plan import (ParallelCut, Tuning, cut_sequences, make_plan, parallel_segments,
                           time_segments)
@@ -382,14 +382,14 @@ def test_piece_tables():
     pieces each pass takes (pass 1 the cut sequences' pieces but their last, pass 2 their middle
     ones, pass 3 from the first piece that is not a cut sequence's first)."""
     pieces = ((0, 0, 10), (1, 10, 202), (1, 202, 394), (1, 394, 400), (2, 400, 400), (3, 400, 592), (3, 592, 600))
-    t = _piece_tables(torch.device("cpu"), pieces, 4, 64)
+    t = piece_tables(torch.device("cpu"), pieces, 4, 64)
     assert t.bounds.tolist() == [0, 10, 202, 394, 400, 400, 592, 600]
     assert t.ck_rows.tolist() == [0, 1, 4, 7, 8, 8, 11] and t.first.tolist() == [0, 1, 4, 5]
     assert t.last.tolist() == [0, 3, 4, 6] and t.grid.tolist() == [[1, 5], [2, 6], [3, 7]]
     assert t.first.dtype == t.last.dtype == t.grid.dtype == torch.int64          # index_copy_'s indices
     assert t.zeros.tolist() == [0] * 7 and t.no_slots.tolist() == [-1] * 7
     assert (t.h_pieces, t.m_pieces, t.o_pieces) == ((1, 6), (2, 6), (0, 7))
-    lone = _piece_tables(torch.device("cpu"), tuple((0, s, s + 100) for s in range(0, 500, 100)), 1, 64)
+    lone = piece_tables(torch.device("cpu"), tuple((0, s, s + 100) for s in range(0, 500, 100)), 1, 64)
     assert (lone.h_pieces, lone.m_pieces, lone.o_pieces) == ((0, 4), (1, 4), (1, 5))
 
 # ---- GPU: what the plan resolves ----
