@@ -17,7 +17,8 @@ import triton.language as tl
 
 from .gate import log_decay
 from .launch import Kernels, triton_launch
-from .options import L2NORM_EPS, state_shape
+from .intra import L2_EPS
+from .options import state_shape
 from .plan import DecodePlan, decode_plan_for
 
 
@@ -67,8 +68,8 @@ def decode_kernel(
         b_q = tl.load(q + r * SQT + i_h * SQH + o_k).to(tl.float32)
         b_k = tl.load(k + r * SKT + i_h * SKH + o_k).to(tl.float32)
         if L2NORM:
-            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + L2NORM_EPS)
-            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + L2NORM_EPS)
+            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + L2_EPS)
+            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + L2_EPS)
         b_a = log_decay(tl.load(g + r * SGT + i_hv * SGH + o_k).to(tl.float32), A_log, dt_bias, i_hv, o_k,
                         lower_bound, K, MODE, HAS_A, HAS_BIAS)
         b_beta = tl.load(beta + r * SBT + i_hv * SBH).to(tl.float32)

@@ -625,13 +625,14 @@ def make_decode_plan(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, ini
         read=0 if initial_state is None else 1 if indices is None else 2, write=write,
         output_final_state=output_final_state, columns=columns,
         slots=0 if indices is None else initial_state.shape[0], pad_slot=pad_slot,
-        block_v=block_v, num_warps=4)
+        block_v=block_v, num_warps=8 if block_v == 64 else 4)
 
 
 def decode_block_v(programs: int, V: int, sms: int) -> int:
     """kda_decode's V columns per program: the widest of 64, 32, 16 that still gives every SM
     DECODE_WAVES programs of (request, value head, V block), so that each SM has state loads in flight
-    from several programs at once (a step is the state's bytes: kda_opt/decode)."""
+    from several programs at once (a step is the state's bytes: kda_opt/decode). Its warps: 8 at 64
+    columns (4 would take all 255 registers at K = 128), else 4."""
     for block_v in (64, 32):
         if block_v <= V and programs * (V // block_v) >= DECODE_WAVES * sms:
             return block_v

@@ -1,5 +1,10 @@
 """kda_opt/decode (kda_decode): the kernel against the float64 decode reference (Triton's interpreter
 in fp32 without a GPU), the padding rules, and the argument checks."""
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -226,3 +231,51 @@ def test_decode_on_the_gpu_as_fla():
     rows = args["ssm_state_indices"]
     assert rel_err(o, ref_o) <= error_bound(rel_err(fla_o, ref_o))
     assert rel_err(pool[rows], ref_pool[rows]) <= error_bound(rel_err(fla_pool[rows], ref_pool[rows]))
+
+
+# ---- the kernel compiled for sm_90 (no GPU needed: Triton's own ptxas) ----
+
+POINTERS = dict(q="*bf16", k="*bf16", v="*bf16", g="*bf16", beta="*bf16", A_log="*fp32", dt_bias="*fp32", o="*bf16",
+                s_in="*fp32", s_out="*fp32", cu_seqlens="*i64", indices="*i64", accepted="*i64")
+KIMI_DECODE = dict(H=32, HV=32, K=128, V=128, BV=32, MODE=1, HAS_A=True, HAS_BIAS=True, L2NORM=True, BETA_SIGMOID=1.0,
+                   V_FIRST=True, PACKED=True, READ=2, WRITE=2, COLUMNS=1, ACCEPTED=False, PAD=True)
+VARIANTS = [
+    dict(), dict(BV=16), dict(BV=64, num_warps=8), dict(V_FIRST=False, WRITE=3, COLUMNS=4, ACCEPTED=True),
+    dict(READ=1, WRITE=1, PACKED=False, PAD=False, L2NORM=False, BETA_SIGMOID=0.0, MODE=0, HAS_A=False,
+         HAS_BIAS=False), dict(READ=0, WRITE=0, MODE=2, K=64, V=64, BV=16, H=8, HV=16)]
+
+
+def sm90_cubin(num_warps=4, **changes):
+    """decode_kernel compiled for sm_90 with Kimi's decode call's constants, changed by `changes`
+    (Triton's JIT, not its interpreter: see sm90_resources)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from kda_opt.decode import decode_kernel
+    signature = {p.name: "constexpr" if p.is_constexpr else POINTERS.get(p.name)
+                 or ("fp32" if p.name in ("scale", "lower_bound") else "i64") for p in decode_kernel.params}
+    kernel = triton.compile(ASTSource(decode_kernel, signature, {**KIMI_DECODE, **changes}),
+                            target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    return kernel.asm["cubin"]
+
+
+@pytest.fixture(scope="module")
+def sm90_resources():
+    """(registers, stack bytes) of each of VARIANTS' cubins, compiled in a process of its own where
+    the kernels are Triton's JIT functions (here, without a GPU, they are the interpreter's)."""
+    code = ("import json\nfrom tests.test_decode import VARIANTS, sm90_cubin\nfrom tests.test_wuso import resources\n"
+            "print(json.dumps([resources(sm90_cubin(**v)) for v in VARIANTS]))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, (root, os.path.join(root, "scripts"), os.environ.get("PYTHONPATH"))))}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("variant", range(len(VARIANTS)))
+def test_kernel_compiles_for_sm90_without_spilling(sm90_resources, variant):
+    """Every kind of launch compiles for sm_90 (the interpreter does not catch what only the compiler
+    refuses, such as a global that is not constexpr) and keeps its state block in registers, no stack."""
+    registers, stack = sm90_resources[variant]
+    assert registers <= 255 and stack == 0, (VARIANTS[variant], registers, stack)
