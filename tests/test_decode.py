@@ -241,6 +241,7 @@ KIMI_DECODE = dict(H=32, HV=32, K=128, V=128, BV=32, MODE=1, HAS_A=True, HAS_BIA
                    V_FIRST=True, PACKED=True, READ=2, WRITE=2, COLUMNS=1, ACCEPTED=False, PAD=True)
 VARIANTS = [
     dict(), dict(BV=16), dict(BV=64, num_warps=8), dict(V_FIRST=False, WRITE=3, COLUMNS=4, ACCEPTED=True),
+    dict(WRITE=3, COLUMNS=2, PACKED=False),
     dict(READ=1, WRITE=1, PACKED=False, PAD=False, L2NORM=False, BETA_SIGMOID=0.0, MODE=0, HAS_A=False,
          HAS_BIAS=False), dict(READ=0, WRITE=0, MODE=2, K=64, V=64, BV=16, H=8, HV=16)]
 

@@ -56,13 +56,14 @@ def floor_ms(nbytes, device):
 
 def serving_call(requests, H, tokens, prefills, state_dtype, seed=0):
     """(kda_forward-style arguments of the packed step, the pool, its slots): requests of `tokens`
-    tokens, then the prefills, packed; a pool of 2N + 8 rows at shuffled slots (int32)."""
+    tokens, then the prefills, packed; a pool of 2·N·tokens + 8 rows (2N + 8 for one token each) at
+    shuffled slots (int32)."""
     lens = (tokens,) * requests + tuple(prefills)
     args = random_inputs(1, sum(lens), H, K, seqlens=lens, seed=seed, **KIMI)
-    N = len(lens)
+    N, rows = len(lens), 2 * len(lens) * tokens + 8
     gen = torch.Generator().manual_seed(seed)
-    pool = torch.randn(2 * N + 8, H, K, K, generator=gen).to("cuda", STATE_DTYPES[state_dtype])
-    slots = torch.randperm(2 * N + 8, generator=gen)[:N].to("cuda", torch.int32)
+    pool = torch.randn(rows, H, K, K, generator=gen).to("cuda", STATE_DTYPES[state_dtype])
+    slots = torch.randperm(rows, generator=gen)[:N].to("cuda", torch.int32)
     return args, pool, slots
 
 
