@@ -50,6 +50,8 @@ def decode_kernel(
     # The state block [K, BV] at (channel, column), in either layout.
     o_s = o_v[None, :] * K + o_k[:, None] if V_FIRST else o_k[:, None] * V + o_v[None, :]
     o_s += i_hv * K * V
+    # A pool row's index is taken as a block of it (_rows) before it is compared: Triton 3.9's
+    # interpreter compares a loaded scalar into an int64 mask, which it then refuses.
     # A request is live where its accepted count names one of its columns; a pad row reads zeros and
     # writes nothing.
     live = True
@@ -62,6 +64,7 @@ def decode_kernel(
         b_s = tl.load(s_in + i_n * S_IN + o_s).to(tl.float32)
     if READ == 2:
         row = _slot(indices, i_n, column, live, slots, pad_slot, S_IDX, PAD)
+        row = _rows(row, K, BV)
         b_s = tl.load(s_in + row * S_IN + o_s, mask=row >= 0, other=0.0).to(tl.float32)
     for t in range(T):
         r = bos + t
@@ -81,12 +84,12 @@ def decode_kernel(
         b_o = tl.sum(b_s * (b_q * scale)[:, None], 0)
         tl.store(o + r * SOT + i_hv * SOH + o_v, b_o.to(o.dtype.element_ty))
         if WRITE == 3:
-            row = _slot(indices, i_n, t, live & (t < COLUMNS), slots, pad_slot, S_IDX, PAD)
+            row = _rows(_slot(indices, i_n, t, live & (t < COLUMNS), slots, pad_slot, S_IDX, PAD), K, BV)
             tl.store(s_out + row * S_OUT + o_s, b_s.to(s_out.dtype.element_ty), mask=row >= 0)
     if WRITE == 1:
         tl.store(s_out + i_n * S_OUT + o_s, b_s.to(s_out.dtype.element_ty))
     if WRITE == 2:
-        row = _slot(indices, i_n, 0, live, slots, pad_slot, S_IDX, PAD)
+        row = _rows(_slot(indices, i_n, 0, live, slots, pad_slot, S_IDX, PAD), K, BV)
         tl.store(s_out + row * S_OUT + o_s, b_s.to(s_out.dtype.element_ty), mask=row >= 0)
 
 
@@ -99,6 +102,12 @@ def _slot(indices, i_n, column, live, slots, pad_slot, S_IDX, PAD: tl.constexpr)
     if PAD:
         ok = ok & (row != pad_slot)
     return tl.where(ok, row, -1)
+
+
+@triton.jit
+def _rows(row, K: tl.constexpr, BV: tl.constexpr):
+    """The pool row index `row` as a [K, BV] block, one per element of a state block."""
+    return row + tl.zeros([K, BV], dtype=tl.int64)
 
 
 def decode(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, final_state=None,
