@@ -26,17 +26,20 @@ from .plan import DecodePlan, decode_plan_for
 def decode_kernel(
     q, k, v, g, beta, A_log, dt_bias, o,    # tokens [·, ·, heads, channels]: row r at r · S*T, head at S*H
     s_in, s_out,                            # states: row r at r · S_IN / r · S_OUT; None where absent
-    cu_seqlens, indices, accepted,          # [N + 1]; [N, COLUMNS] slots (row stride S_IDX); [N]
+    cu_seqlens, indices, accepted, has_state,  # [N + 1]; [N, COLUMNS] slots (row stride S_IDX); [N]; [N] bool
     T, slots, pad_slot, scale, lower_bound,
     SQT, SQH, SKT, SKH, SVT, SVH, SGT, SGH, SBT, SBH, SOT, SOH, S_IN, S_OUT, S_IDX,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     MODE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, V_FIRST: tl.constexpr, PACKED: tl.constexpr, READ: tl.constexpr,
-    WRITE: tl.constexpr, COLUMNS: tl.constexpr, ACCEPTED: tl.constexpr, PAD: tl.constexpr,
+    WRITE: tl.constexpr, COLUMNS: tl.constexpr, ACCEPTED: tl.constexpr, PAD: tl.constexpr, HAS_MASK: tl.constexpr,
+    SINGLE: tl.constexpr,
 ):
-    # READ: 0 zeros, 1 dense row n, 2 pool row indices[n, accepted[n] − 1] (column 0 without accepted).
-    # WRITE: 0 nothing, 1 dense row n after the last token, 2 pool row indices[n] after the last token,
-    # 3 pool row indices[n, t] after each token t (speculative verify).
+    # READ: 0 zeros, 1 dense row n, 2 pool row indices[n, accepted[n] − 1] (column 0 without accepted);
+    # with HAS_MASK zeros where has_state[n] is false. WRITE: 0 nothing, 1 dense row n after the last
+    # token, 2 pool row indices[n] after the last token, 3 pool row indices[n, t] after each token t
+    # (speculative verify). SINGLE: only the sequences of one token (kda_forward's, where a packed call
+    # leaves them to this kernel); a program of any other reads, computes and writes nothing.
     i_nh, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -50,21 +53,26 @@ def decode_kernel(
     # The state block [K, BV] at (channel, column), in either layout.
     o_s = o_v[None, :] * K + o_k[:, None] if V_FIRST else o_k[:, None] * V + o_v[None, :]
     o_s += i_hv * K * V
-    # A pool row's index is taken as a block of it (_rows) before it is compared: Triton 3.9's
-    # interpreter compares a loaded scalar into an int64 mask, which it then refuses.
     # A request is live where its accepted count names one of its columns; a pad row reads zeros and
-    # writes nothing.
+    # writes nothing. A row's index is compared as a block of it (_rows): Triton 3.9's interpreter
+    # compares a loaded scalar into an int64 mask, which it then refuses.
     live = True
     column = 0
     if ACCEPTED:
         column = tl.load(accepted + i_n).to(tl.int64) - 1
         live = (column >= 0) & (column < COLUMNS)
+    if SINGLE:
+        live = live & (T == 1)
+        T = tl.where(T == 1, T, 0)
+    reads = live
+    if HAS_MASK:
+        reads = reads & (tl.load(has_state + i_n) != 0)
     b_s = tl.zeros([K, BV], dtype=tl.float32)
     if READ == 1:
-        b_s = tl.load(s_in + i_n * S_IN + o_s).to(tl.float32)
+        row = _rows(tl.where(reads, i_n, -1), K, BV)
+        b_s = tl.load(s_in + row * S_IN + o_s, mask=row >= 0, other=0.0).to(tl.float32)
     if READ == 2:
-        row = _slot(indices, i_n, column, live, slots, pad_slot, S_IDX, PAD)
-        row = _rows(row, K, BV)
+        row = _rows(_slot(indices, i_n, column, reads, slots, pad_slot, S_IDX, PAD), K, BV)
         b_s = tl.load(s_in + row * S_IN + o_s, mask=row >= 0, other=0.0).to(tl.float32)
     for t in range(T):
         r = bos + t
@@ -87,7 +95,8 @@ def decode_kernel(
             row = _rows(_slot(indices, i_n, t, live & (t < COLUMNS), slots, pad_slot, S_IDX, PAD), K, BV)
             tl.store(s_out + row * S_OUT + o_s, b_s.to(s_out.dtype.element_ty), mask=row >= 0)
     if WRITE == 1:
-        tl.store(s_out + i_n * S_OUT + o_s, b_s.to(s_out.dtype.element_ty))
+        row = _rows(tl.where(live, i_n, -1), K, BV)
+        tl.store(s_out + row * S_OUT + o_s, b_s.to(s_out.dtype.element_ty), mask=row >= 0)
     if WRITE == 2:
         row = _rows(_slot(indices, i_n, 0, live, slots, pad_slot, S_IDX, PAD), K, BV)
         tl.store(s_out + row * S_OUT + o_s, b_s.to(s_out.dtype.element_ty), mask=row >= 0)
@@ -111,10 +120,12 @@ def _rows(row, K: tl.constexpr, BV: tl.constexpr):
 
 
 def decode(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, final_state=None,
-           cu_seqlens=None, indices=None, accepted=None, out=None, *, kernels: Kernels | None = None):
+           cu_seqlens=None, indices=None, accepted=None, out=None, has_initial_state=None, *,
+           kernels: Kernels | None = None):
     """o [B, T, HV, V] (into `out` if given), the states read from initial_state and written into
     final_state as the plan says (module docstring). Inputs validated by kda_opt/plan's
-    make_decode_plan; their last dimension dense."""
+    make_decode_plan (or make_plan, for a packed prefill's sequences of one token: plan.single);
+    their last dimension dense. has_initial_state: [N] bool, zeros where false (kda_forward's)."""
     o = torch.empty_like(v) if out is None else out
     stand_in = q                       # a pointer for absent arrays, never dereferenced
     pool = indices if indices is None or indices.dim() == 2 else indices.view(-1, 1)
@@ -123,7 +134,7 @@ def decode(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial
         q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, o=o,
         s_in=stand_in if initial_state is None else initial_state,
         s_out=stand_in if final_state is None else final_state,
-        cu_seqlens=cu_seqlens, indices=pool, accepted=accepted,
+        cu_seqlens=cu_seqlens, indices=pool, accepted=accepted, has_state=has_initial_state,
         T=plan.T, slots=plan.slots, pad_slot=-1 if plan.pad_slot is None else plan.pad_slot,
         scale=plan.scale, lower_bound=float(plan.gate.lower_bound or 0.0),
         SQT=q.stride(1), SQH=q.stride(2), SKT=k.stride(1), SKH=k.stride(2), SVT=v.stride(1), SVH=v.stride(2),
@@ -135,7 +146,8 @@ def decode(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial
         HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, L2NORM=plan.l2norm,
         BETA_SIGMOID=plan.beta_sigmoid or 0.0, V_FIRST=plan.state_v_first, PACKED=plan.packed,
         READ=plan.read, WRITE=plan.write, COLUMNS=plan.columns, ACCEPTED=accepted is not None,
-        PAD=plan.pad_slot is not None, num_warps=plan.num_warps,
+        PAD=plan.pad_slot is not None, HAS_MASK=has_initial_state is not None, SINGLE=plan.single,
+        num_warps=plan.num_warps,
     )
     return o
 

@@ -25,6 +25,7 @@ import torch
 
 from .gate import gate_cumsum
 from .intra import intra_chunk
+from .decode import decode
 from .launch import Kernels, annotated, direct, nvtx_enabled
 from .options import CHUNK
 from .plan import Plan, Tuning, make_plan, plan_for
@@ -255,7 +256,11 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
             gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, seqs)
             o = stage4(q, k, v, gcum, Tm, Aqk, **state, checkpoints=checkpoints,
                        checkpoint_rows=rows if rows is not None else _checkpoint_rows(plan, checkpoints, seqs, kernels),
-                       checkpoint_first=checkpoint_offsets, cu_seqlens=cu_seqlens, qk_rstd=rstd, beta_residual=r)
+                       checkpoint_first=checkpoint_offsets, cu_seqlens=cu_seqlens, qk_rstd=rstd, beta_residual=r,
+                       decoded=plan.decode is not None)
+            if plan.decode is not None:     # the sequences of one token: their o rows and states
+                launch("decode", decode, plan.decode, q, k, v, g, beta, A_log, dt_bias, initial_state,
+                       final, cu_seqlens, initial_state_indices, None, o, has_initial_state, kernels=kernels)
         else:
             o = pipelined(plan, q, k, v, g, beta, state, checkpoints, prepare, stage4)
         return o, None if plan.state_pool else final

@@ -5,7 +5,8 @@ decision, into one frozen value that kda_opt/forward runs; each stage takes the 
                                                argument, before any kernel runs
     what the options mean                      gate, scale, l2norm, beta_sigmoid, beta_residual, ...
     how the stages launch                      block_v, segments, parallel, parallel_cut, short_sequences,
-                                               intra_warps, worker_warps
+                                               intra_warps, worker_warps, decode (one-token sequences)
+kda_decode's plan: make_decode_plan → DecodePlan (what its kernel reads and writes, its V block).
 Tuning holds the launch knobs; kda_forward takes its defaults, tests and scripts/bench_stages.py pass
 others. kda_forward makes a call signature's plan once (plan_for): the signature holds everything the
 checks and the plan read (every tensor's shape, strides, dtype, device, requires_grad and 16-byte
@@ -58,6 +59,8 @@ class Tuning:
                                   # None: where it pays, True: wherever it applies, False: never
     parallel_tokens: int = 2048   # parallel segments: at least this many tokens each
     short_sequences: bool = True  # packed: a sequence of one chunk read by element offsets, not views
+    route_decodes: bool = False   # packed, one pass: sequences of one token through kda_opt/decode (not
+                                  # yet the default: its speed is not measured)
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,7 @@ class Plan(Sizes):
     short_sequences: bool         # packed: stage 4 reads a sequence of one chunk by element offsets
     intra_warps: int
     worker_warps: int
+    decode: "DecodePlan | None"   # packed: its sequences of one token through kda_opt/decode, stage 4 skipping them
 
 
 def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, *,
@@ -178,6 +182,10 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         # (With checkpoint offsets a sequence of one chunk may be cut in two: stage 4's own launches.)
         short_sequences=packed and tuning.short_sequences and checkpoint_offsets is None,
         intra_warps=tuning.intra_warps or warps_for(q.dtype), worker_warps=tuning.worker_warps,
+        decode=_routed_decodes(Sizes(B, T, H, K, HV, V, N), scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                               lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, initial_state,
+                               pool, output_final_state, sms)
+        if packed and tuning.route_decodes and tuning.short_sequences and checkpoints is None else None,
     )
 
 
@@ -576,6 +584,7 @@ class DecodePlan(Sizes):
     columns: int                  # S of [N, S] indices (1 for [N], 0 without)
     slots: int                    # the pool's rows (0 without one)
     pad_slot: int | None
+    single: bool                  # only the sequences of one token (a packed kda_forward call's)
     block_v: int
     num_warps: int
 
@@ -610,22 +619,39 @@ def make_decode_plan(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, ini
                           cu_seqlens=cu_seqlens, ssm_state_indices=indices, num_accepted_tokens=num_accepted_tokens,
                           out=out)
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    gate = GateConfig(in_kernel=use_gate_in_kernel, lower_bound=lower_bound)
     write = 0
     if output_final_state:
         write = 1
     elif inplace_final_state:
         write = 1 if indices is None else 2 if indices.dim() == 1 else 3
-    block_v = decode_block_v(N * HV, V, sms)
-    return DecodePlan(
-        B=B, T=T, H=H, K=K, HV=HV, V=V, N=N, scale=K ** -0.5 if scale is None else scale, gate=gate,
-        gate_mode=gate_mode(gate), l2norm=use_qk_l2norm_in_kernel,
-        beta_sigmoid=(2.0 if allow_neg_eigval else 1.0) if use_beta_sigmoid_in_kernel else None,
-        state_v_first=state_v_first, packed=cu_seqlens is not None,
+    return _decode_plan(
+        Sizes(B, T, H, K, HV, V, N), scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound,
+        use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens is not None, sms,
         read=0 if initial_state is None else 1 if indices is None else 2, write=write,
         output_final_state=output_final_state, columns=columns,
-        slots=0 if indices is None else initial_state.shape[0], pad_slot=pad_slot,
-        block_v=block_v, num_warps=8 if block_v == 64 else 4)
+        slots=0 if indices is None else initial_state.shape[0], pad_slot=pad_slot, single=False)
+
+
+def _routed_decodes(sizes: Sizes, scale, l2norm, gate_in_kernel, lower_bound, beta_sigmoid, neg_eigval, v_first,
+                    initial_state, pool, output_final_state, sms) -> "DecodePlan":
+    """The DecodePlan of a packed kda_forward call's sequences of one token (make_plan's checks made):
+    read from and written to where stage 4 would (the pool's slot, or row n of the dense states)."""
+    return _decode_plan(sizes, scale, l2norm, gate_in_kernel, lower_bound, beta_sigmoid, neg_eigval, v_first, True,
+                        sms, read=0 if initial_state is None else 2 if pool else 1,
+                        write=2 if pool else 1 if output_final_state else 0, output_final_state=output_final_state,
+                        columns=1 if pool else 0, slots=initial_state.shape[0] if pool else 0, pad_slot=None,
+                        single=True)
+
+
+def _decode_plan(sizes: Sizes, scale, l2norm, gate_in_kernel, lower_bound, beta_sigmoid, neg_eigval, v_first, packed,
+                 sms, **access) -> "DecodePlan":
+    """A DecodePlan from checked options; `access`: what it reads and writes (DecodePlan's fields)."""
+    gate = GateConfig(in_kernel=gate_in_kernel, lower_bound=lower_bound)
+    block_v = decode_block_v(sizes.N * sizes.HV, sizes.V, sms)
+    return DecodePlan(
+        **vars(sizes), scale=sizes.K ** -0.5 if scale is None else scale, gate=gate, gate_mode=gate_mode(gate),
+        l2norm=l2norm, beta_sigmoid=(2.0 if neg_eigval else 1.0) if beta_sigmoid else None, state_v_first=v_first,
+        packed=packed, block_v=block_v, num_warps=8 if block_v == 64 else 4, **access)
 
 
 def decode_block_v(programs: int, V: int, sms: int) -> int:

@@ -46,9 +46,10 @@ F32 = ct.float32
 # spills 72–400 B (sm_90 cubins from tileiras 13.4 and 13.5).
 BLOCK_V_CHOICES = (32, 64, 128)
 # Which packed sequences one launch computes (the kernel's SHORT): all of them through _sequence, or
-# those longer than a chunk through it, or those of at most one chunk through _one_chunk; or HEADS,
-# each sequence's head through _one_chunk (checkpoints at given offsets: _sequence, PHASED).
-EVERY_SEQUENCE, LONG_ONLY, SHORT_ONLY, HEADS = 0, 1, 2, 3
+# those longer than a chunk through it, or those of at most one chunk through _one_chunk (SEVERAL_ONLY:
+# but those of one token, which kda_opt/decode computes); or HEADS, each sequence's head through
+# _one_chunk (checkpoints at given offsets: _sequence, PHASED).
+EVERY_SEQUENCE, LONG_ONLY, SHORT_ONLY, HEADS, SEVERAL_ONLY = 0, 1, 2, 3, 4
 WORKER_WARPS = 8
 INT32_MAX = 2 ** 31 - 1     # the largest stride (in elements) of an array cuTile takes
 
@@ -93,8 +94,11 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, SLOTS, MASK, CK,
         ck_b, ck_row = 0, ct.load(CK_ROW0, index=(i_n,), shape=(1,)).item()
     # Which packed sequences this launch computes: one launch with both paths, a branch between them,
     # took the compiler off the long path's schedule (255 registers; long packed sequences +40 %).
-    if SHORT == SHORT_ONLY:
-        if eos - bos <= C:
+    if SHORT == SHORT_ONLY or SHORT == SEVERAL_ONLY:
+        taken = eos - bos <= C
+        if SHORT == SEVERAL_ONLY:
+            taken = taken & (eos - bos != 1)
+        if taken:
             _one_chunk(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, bos, eos - bos, i_h, i_hv, i_v, scale, s_in,
                        s_out, use_s0, ck_row, K, BV, C, HAS_S0, STORE_SF, SPLIT_V, L2NORM, V_FIRST, BETA_RESIDUAL,
                        READ_SLOTS or HAS_MASK, STORE_CK, CK_EVERY, TRANSITION)
@@ -507,8 +511,8 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
          slots=None, read_slots: bool = False, write_slots: bool = False, has_initial_state=None, checkpoints=None,
          checkpoint_rows=None, checkpoint_every: int = 1, checkpoint_first=None, cu_seqlens=None, qk_rstd=None,
          state_v_first: bool = False,
-         beta_residual=None, transition: bool = False, short_sequences: bool = False, out=None,
-         worker_warps: int = WORKER_WARPS):
+         beta_residual=None, transition: bool = False, short_sequences: bool = False, decoded: bool = False,
+         out=None, worker_warps: int = WORKER_WARPS):
     """Stage 4 on the current stream: o [B, T, HV, V] (v's dtype), returned; the final states written
     into final_state. Inputs as in the module docstring, validated by kda_opt/plan (q, k, v may be
     views whose token rows are dense and evenly spaced); absent ones None; cu_seqlens [N + 1] packs
@@ -534,7 +538,8 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
     [B, T, HV, V] tensor of v's dtype whose rows are contiguous (a slice along T of a B = 1 tensor,
     kda_opt/schedules' time segments), or None for a new one. short_sequences (packed): two launches, the
     sequences longer than a chunk and those of at most one chunk (_one_chunk), each skipping the
-    other's. worker_warps: the kernel's worker warps. A written pool or checkpoint buffer of one row
+    other's; decoded: the short launch skips the sequences of one token (kda_opt/decode computes
+    them). worker_warps: the kernel's worker warps. A written pool or checkpoint buffer of one row
     is written through a two-row copy (_two_rows)."""
     o = v if transition else torch.empty_like(v) if out is None else out      # (transition: never written)
     pool = _two_rows(final_state, 0) if write_slots else final_state
@@ -557,7 +562,8 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
                                    beta_residual, slots, read_slots, write_slots, has_initial_state, rows,
                                    checkpoint_rows, checkpoint_every, transition)
         split = short_sequences and cu_seqlens is not None
-        launches = [args[:-1] + (part,) for part in (LONG_ONLY, SHORT_ONLY)] if split else (args,)
+        parts = (LONG_ONLY, SEVERAL_ONLY if decoded else SHORT_ONLY)
+        launches = [args[:-1] + (part,) for part in parts] if split else (args,)
     for args in launches:
         ct.launch(current_stream(), grid, _kernel(worker_warps), args)
     _copy_back(final_state, pool, 0)

@@ -10,7 +10,7 @@ import torch
 
 from kda_opt.decode import kda_decode, run
 from kda_opt.plan import DecodePlan, make_decode_plan
-from kda_opt.reference import reference_decode
+from kda_opt.reference import ERROR_FLOOR, reference_decode
 from tests.conftest import HAS_CUDA, gpu, kernel_device, rel_err
 
 DEVICE = kernel_device()
@@ -236,12 +236,14 @@ def test_decode_on_the_gpu_as_fla():
 # ---- the kernel compiled for sm_90 (no GPU needed: Triton's own ptxas) ----
 
 POINTERS = dict(q="*bf16", k="*bf16", v="*bf16", g="*bf16", beta="*bf16", A_log="*fp32", dt_bias="*fp32", o="*bf16",
-                s_in="*fp32", s_out="*fp32", cu_seqlens="*i64", indices="*i64", accepted="*i64")
+                s_in="*fp32", s_out="*fp32", cu_seqlens="*i64", indices="*i64", accepted="*i64", has_state="*i1")
 KIMI_DECODE = dict(H=32, HV=32, K=128, V=128, BV=32, MODE=1, HAS_A=True, HAS_BIAS=True, L2NORM=True, BETA_SIGMOID=1.0,
-                   V_FIRST=True, PACKED=True, READ=2, WRITE=2, COLUMNS=1, ACCEPTED=False, PAD=True)
+                   V_FIRST=True, PACKED=True, READ=2, WRITE=2, COLUMNS=1, ACCEPTED=False, PAD=True, HAS_MASK=False,
+                   SINGLE=False)
 VARIANTS = [
     dict(), dict(BV=16), dict(BV=64, num_warps=8), dict(V_FIRST=False, WRITE=3, COLUMNS=4, ACCEPTED=True),
-    dict(WRITE=3, COLUMNS=2, PACKED=False),
+    dict(WRITE=3, COLUMNS=2, PACKED=False), dict(SINGLE=True, HAS_MASK=True, PAD=False),
+    dict(SINGLE=True, READ=1, WRITE=1, HAS_MASK=True, PAD=False),
     dict(READ=1, WRITE=1, PACKED=False, PAD=False, L2NORM=False, BETA_SIGMOID=0.0, MODE=0, HAS_A=False,
          HAS_BIAS=False), dict(READ=0, WRITE=0, MODE=2, K=64, V=64, BV=16, H=8, HV=16)]
 
@@ -280,3 +282,77 @@ def test_kernel_compiles_for_sm90_without_spilling(sm90_resources, variant):
     refuses, such as a global that is not constexpr) and keeps its state block in registers, no stack."""
     registers, stack = sm90_resources[variant]
     assert registers <= 255 and stack == 0, (VARIANTS[variant], registers, stack)
+
+
+# ---- a packed kda_forward call's sequences of one token (Tuning.route_decodes; GPU) ----
+
+def mixed_call(pool=True, **call):
+    """kda_forward's keywords for a packed step of decodes beside prefills (and an empty request):
+    Kimi's call on a pool at shuffled slots with has_initial_state, or dense states."""
+    from kda_bench.inputs import random_inputs
+    lens = [1, 130, 1, 64, 0, 1, 7, 1]
+    args = random_inputs(1, sum(lens), 2, 128, seqlens=lens, initial_state=True, l2norm=True, beta_logits=True,
+                         state_v_first=True, seed=4, **call)
+    if pool:
+        rows = torch.randn(20, 2, 128, 128, device="cuda")
+        slots = torch.randperm(20, device="cuda")[:len(lens)]
+        rows[slots] = args["initial_state"]
+        args.update(initial_state=rows, initial_state_indices=slots, output_final_state=False,
+                    has_initial_state=torch.tensor([True, True, False, True, True, True, False, True], device="cuda"))
+    return args, lens
+
+
+@gpu
+def test_plan_routes_only_packed_one_pass_calls():
+    """The prefill plan holds a DecodePlan for its one-token sequences where the call is packed, has
+    no checkpoints and the tuning asks; it reads and writes where stage 4 would."""
+    from kda_opt.plan import Tuning, make_plan
+    routed = Tuning(route_decodes=True)
+    args, _ = mixed_call()
+    plan = make_plan(**args, tuning=routed).decode
+    assert (plan.single, plan.read, plan.write, plan.slots, plan.packed) == (True, 2, 2, 20, True)
+    assert make_plan(**args).decode is None
+    dense, _ = mixed_call(pool=False)
+    assert (make_plan(**dense, tuning=routed).decode.read, make_plan(**dense, tuning=routed).decode.write) == (1, 1)
+    ckpt = torch.zeros(1, 16, 2, 128, 128, device="cuda")
+    assert make_plan(**args, checkpoints=ckpt, tuning=routed).decode is None
+
+
+@gpu
+@pytest.mark.parametrize("pool", [True, False])
+def test_routed_decodes_equal_kda_decode(pool):
+    """With route_decodes a packed call's sequences of one token go through kda_opt/decode: their o
+    rows and states are kda_decode's on those requests bit for bit, the other rows and states those
+    of the call without routing bit for bit, and its o within the error floor of that call's."""
+    from kda_opt.plan import Tuning
+    from tests.test_forward import run_tuned
+    args, lens = mixed_call(pool=pool)
+    original = args["initial_state"].clone()
+    plain_args = {**args, "initial_state": args["initial_state"].clone()}
+    o_plain, s_plain = run_tuned(plain_args, Tuning())
+    o, s = run_tuned(args, Tuning(route_decodes=True))
+    starts = torch.tensor([0, *lens]).cumsum(0)[:-1]
+    ones = [n for n, length in enumerate(lens) if length == 1]
+    tokens = starts[ones].tolist()
+    rest = [t for t in range(sum(lens)) if t not in tokens]
+    assert torch.equal(o[:, rest], o_plain[:, rest]) and rel_err(o, o_plain) <= ERROR_FLOOR
+    # kda_decode on the one-token requests alone, from the same states.
+    pick = lambda x: x[:, tokens]
+    one = dict(q=pick(args["q"]), k=pick(args["k"]), v=pick(args["v"]), g=pick(args["g"]), beta=pick(args["beta"]),
+               A_log=args["A_log"], dt_bias=args["dt_bias"], lower_bound=args["lower_bound"], use_gate_in_kernel=True,
+               use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=True,
+               cu_seqlens=torch.arange(len(ones) + 1, device="cuda"))
+    if pool:
+        slots = args["initial_state_indices"][ones]
+        use = args["has_initial_state"][ones].view(-1, 1, 1, 1)
+        o_one, s_one = kda_decode(**one, initial_state=torch.where(use, original[slots], 0.0), output_final_state=True)
+        pool_after = args["initial_state"]
+        assert torch.equal(pool_after[slots], s_one)
+        others = args["initial_state_indices"][[n for n in range(len(lens)) if n not in ones]]
+        assert torch.equal(pool_after[others], plain_args["initial_state"][others])
+    else:
+        o_one, s_one = kda_decode(**one, initial_state=original[ones], output_final_state=True)
+        assert torch.equal(s[ones], s_one)
+        others = [n for n in range(len(lens)) if n not in ones]
+        assert torch.equal(s[others], s_plain[others])
+    assert torch.equal(o[:, tokens], o_one)

@@ -13,7 +13,8 @@ import torch
 import cuda.tile as ct
 from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint, export_kernel
 from kda_opt import reference as ref
-from kda_opt.wuso import EVERY_SEQUENCE, HEADS, LONG_ONLY, SHORT_ONLY, block_v_for, launch_config, wuso, wuso_kernel
+from kda_opt.wuso import (EVERY_SEQUENCE, HEADS, LONG_ONLY, SEVERAL_ONLY, SHORT_ONLY, block_v_for, launch_config,
+                          wuso, wuso_kernel)
 from tests.conftest import gpu, rel_err
 from tests.stage_inputs import qk_rstd, stage_inputs
 
@@ -211,6 +212,17 @@ def test_short_sequences_launch_apart(call):
     short = cubin(torch.bfloat16, 128, True, True, **call, sequences=SHORT_ONLY)
     assert_kernel_cubin(short)
     assert resources(short)[0] <= 168, resources(short)
+
+
+@pytest.mark.parametrize("call", [
+    dict(seqs=(64, torch.int32)), dict(seqs=(260, torch.int64), l2norm=True, beta_residual=True, state_v_first=True,
+                                       state_dtype=torch.bfloat16, pool=(300, torch.int32, True))])
+def test_short_launch_without_one_token_sequences_keeps_its_resources(call):
+    """The short launch that leaves sequences of one token to kda_opt/decode (SEVERAL_ONLY, a packed
+    call with route_decodes) keeps the short launch's registers and stack frame."""
+    short = resources(cubin(torch.bfloat16, 128, True, True, **call, sequences=SHORT_ONLY))
+    several = resources(cubin(torch.bfloat16, 128, True, True, **call, sequences=SEVERAL_ONLY))
+    assert several[0] <= short[0] and several[1] <= short[1], (several, short)
 
 
 @pytest.mark.parametrize("call", [
