@@ -356,3 +356,27 @@ def test_routed_decodes_equal_kda_decode(pool):
         others = [n for n in range(len(lens)) if n not in ones]
         assert torch.equal(s[others], s_plain[others])
     assert torch.equal(o[:, tokens], o_one)
+
+
+FLA_CALLS = {
+    "decode, pool, Kimi's options": dict(N=4, T=None, H=2, K=64, lens=[1, 1, 1, 1], slots=7, indices=[5, 0, 3, 2],
+                                         inplace=True, l2norm=True, beta_logits=True, v_first=True),
+    "verify, [N, S] slots, accepted": dict(N=3, T=3, H=2, K=64, slots=10, indices=[[0, 1, 2], [3, 4, 5], [6, 7, 8]],
+                                           accepted=[1, 3, 2], inplace=True, gate="softplus"),
+    "dense states, final states, grouped heads": dict(N=2, T=2, H=1, HV=2, K=64, output_final_state=True,
+                                                      gate="none"),
+}
+
+
+@pytest.mark.parametrize("case", list(FLA_CALLS))
+def test_decode_is_flas_decode_kernel(case):
+    """kda_decode and FLA 0.6.0's fused_recurrent_kda_fwd (its kernel: under the interpreter without a
+    GPU) on the same call where both define it: the same o and states."""
+    fused = pytest.importorskip("fla.ops.kda.fused_recurrent").fused_recurrent_kda_fwd
+    args = inputs(**FLA_CALLS[case])
+    theirs = {**args, "initial_state": None if args.get("initial_state") is None else args["initial_state"].clone()}
+    theirs.pop("pad_slot")
+    fla_o, fla_state = fused(**theirs)
+    o, state = decoded(args)
+    tolerance = TOLERANCE if HAS_CUDA else 1e-5
+    assert rel_err(o, fla_o) < tolerance and rel_err(state, fla_state) < tolerance
