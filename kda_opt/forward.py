@@ -59,6 +59,7 @@ def kda_forward(
     transpose_state_layout: bool | None = None,
     initial_state_indices: torch.Tensor | None = None,
     initial_state_indices_cpu: torch.Tensor | None = None,
+    pad_slot: int | None = None,
     has_initial_state: torch.Tensor | None = None,
     checkpoints: torch.Tensor | None = None,
     checkpoint_every: int = CHUNK,
@@ -134,7 +135,9 @@ def kda_forward(
             race on its row, and the state left there (and each one's start, if one reads after the
             other writes) is undefined; ``initial_state_indices_cpu`` catches it.
         initial_state_indices_cpu: the same indices on the CPU (optional): then checked here (below
-            ``slots``, no slot twice), without a host-device synchronisation.
+            ``slots``, no slot twice but ``pad_slot``), without a host-device synchronisation.
+        pad_slot: a slot the caller pads with (vLLM's reserved slot 0): it reads as zeros and is not
+            written, like a negative index, so any number of padding sequences may name it.
         has_initial_state: ``[N]`` bool on q's device (vLLM's name): sequence n starts from zeros
             where False (its state row is not read, so it may hold anything), from initial_state
             (a pool row or the dense ``initial_state[n]``) where True.
@@ -195,7 +198,7 @@ def kda_forward(
             q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
             use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias, safe_gate,
             lower_bound, state_v_first, cu_seqlens, chunk_size, transpose_state_layout, initial_state_indices,
-            has_initial_state, checkpoints, checkpoint_every, checkpoint_offsets)
+            pad_slot, has_initial_state, checkpoints, checkpoint_every, checkpoint_offsets)
         return o, final if output_final_state else None
     plan, kernels = plan_for(dict(
         q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
@@ -204,7 +207,7 @@ def kda_forward(
         dt_bias=dt_bias, safe_gate=safe_gate, lower_bound=lower_bound, state_v_first=state_v_first,
         cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size,
         transpose_state_layout=transpose_state_layout, initial_state_indices=initial_state_indices,
-        initial_state_indices_cpu=initial_state_indices_cpu, has_initial_state=has_initial_state,
+        initial_state_indices_cpu=initial_state_indices_cpu, pad_slot=pad_slot, has_initial_state=has_initial_state,
         checkpoints=checkpoints, checkpoint_every=checkpoint_every, checkpoint_offsets=checkpoint_offsets))
     return run(plan, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, initial_state_indices,
                has_initial_state, checkpoints, checkpoint_offsets, cu_seqlens_cpu, kernels=kernels)
@@ -246,6 +249,8 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
         elif plan.packed:
             seqs = launch("seqs", packed, cu_seqlens, plan.T, kernels)
         final = initial_state if plan.state_pool else final_states(plan, v) if plan.output_final_state else None
+        if plan.pad_slot is not None:           # the pad slot as a negative one: not read, not written
+            initial_state_indices = initial_state_indices.masked_fill(initial_state_indices == plan.pad_slot, -1)
         state = dict(initial_state=initial_state, final_state=final, slots=initial_state_indices,
                      read_slots=plan.state_pool, write_slots=plan.state_pool, has_initial_state=has_initial_state)
         if plan.parallel:

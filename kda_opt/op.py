@@ -29,7 +29,7 @@ def _forward(
     use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool,
     allow_neg_eigval: bool, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, safe_gate: bool,
     lower_bound: float | None, state_v_first: bool, cu_seqlens: torch.Tensor | None, chunk_size: int,
-    transpose_state_layout: bool | None, initial_state_indices: torch.Tensor | None,
+    transpose_state_layout: bool | None, initial_state_indices: torch.Tensor | None, pad_slot: int | None,
     has_initial_state: torch.Tensor | None, checkpoints: torch.Tensor | None, checkpoint_every: int,
     checkpoint_offsets: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,7 +39,7 @@ def _forward(
                            A_log=A_log, dt_bias=dt_bias, safe_gate=safe_gate, lower_bound=lower_bound,
                            state_v_first=state_v_first, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
                            transpose_state_layout=transpose_state_layout, initial_state_indices=initial_state_indices,
-                           has_initial_state=has_initial_state, checkpoints=checkpoints,
+                           pad_slot=pad_slot, has_initial_state=has_initial_state, checkpoints=checkpoints,
                            checkpoint_every=checkpoint_every, checkpoint_offsets=checkpoint_offsets)
     # An op returns tensors only, and none that aliases an input: no final state is an empty one.
     return o, v.new_empty(0, dtype=torch.float32) if final is None else final
@@ -47,8 +47,8 @@ def _forward(
 
 def _fake(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
           use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias, safe_gate, lower_bound, state_v_first,
-          cu_seqlens, chunk_size, transpose_state_layout, initial_state_indices, has_initial_state, checkpoints,
-          checkpoint_every, checkpoint_offsets):
+          cu_seqlens, chunk_size, transpose_state_layout, initial_state_indices, pad_slot, has_initial_state,
+          checkpoints, checkpoint_every, checkpoint_offsets):
     B, _, HV, V = v.shape
     K = q.shape[-1]
     N = num_sequences(B, cu_seqlens)

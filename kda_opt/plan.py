@@ -109,6 +109,7 @@ class Plan(Sizes):
     segments: tuple[tuple[int, int], ...]  # token ranges: time segments, or parallel segments
     parallel: bool                # the segments run at once (parallel_segments), not one after another
     parallel_cut: ParallelCut | None  # packed: long sequences cut into parallel segments on each call
+    pad_slot: int | None          # a pool slot padding sequences name: read and written as a negative one
     short_sequences: bool         # packed: stage 4 reads a sequence of one chunk by element offsets
     intra_warps: int
     worker_warps: int
@@ -119,7 +120,7 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
               allow_neg_eigval=False, A_log=None, dt_bias=None, safe_gate=False, lower_bound=None,
               state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_size=CHUNK,
-              transpose_state_layout=None, initial_state_indices=None, initial_state_indices_cpu=None,
+              transpose_state_layout=None, initial_state_indices=None, initial_state_indices_cpu=None, pad_slot=None,
               has_initial_state=None, checkpoints=None, checkpoint_every=CHUNK, checkpoint_offsets=None,
               tuning: Tuning = Tuning()) -> Plan:
     """kda_forward's arguments (its docstring says what each means) checked and resolved into a Plan."""
@@ -139,8 +140,9 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     _validate_serving(q, v, N, initial_state, output_final_state, initial_state_indices, initial_state_indices_cpu,
                       has_initial_state, checkpoints, checkpoint_every, checkpoint_offsets, state_v_first, cu_seqlens)
     _validate_batch_extent(q, k, v, beta, checkpoints)
+    _check_pad_slot(pad_slot, initial_state_indices)
     check_host_copies(q.shape[1], cu_seqlens_cpu, initial_state_indices_cpu, initial_state, checkpoints,
-                      checkpoint_every)
+                      checkpoint_every, pad_slot)
     _validate_devices(q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias,
                       cu_seqlens=cu_seqlens, initial_state_indices=initial_state_indices,
                       has_initial_state=has_initial_state, checkpoints=checkpoints,
@@ -178,7 +180,7 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         checkpoint_every=checkpoint_every, checkpoint_offsets=checkpoint_offsets is not None,
         segments=parallel or time_segments(T, N, N * HV * (V // block_v), sms, packed,
                                            tuning.segment_tokens, tuning.max_segments, align),
-        parallel=parallel is not None, parallel_cut=cut,
+        parallel=parallel is not None, parallel_cut=cut, pad_slot=pad_slot,
         # (With checkpoint offsets a sequence of one chunk may be cut in two: stage 4's own launches.)
         short_sequences=packed and tuning.short_sequences and checkpoint_offsets is None,
         intra_warps=tuning.intra_warps or warps_for(q.dtype), worker_warps=tuning.worker_warps,
@@ -199,7 +201,7 @@ TENSOR_ARGUMENTS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bi
                     "checkpoint_offsets")
 OPTION_ARGUMENTS = ("scale", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
                     "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate", "lower_bound", "state_v_first",
-                    "chunk_size", "checkpoint_every")
+                    "chunk_size", "checkpoint_every", "pad_slot")
 _OPTION_TYPES = frozenset((bool, int, float, type(None)))
 
 
@@ -211,7 +213,7 @@ def plan_for(arguments: dict) -> tuple[Plan, Kernels]:
     if not made:
         check_host_copies(arguments["q"].shape[1], arguments["cu_seqlens_cpu"],
                           arguments["initial_state_indices_cpu"], arguments["initial_state"], arguments["checkpoints"],
-                          arguments["checkpoint_every"])
+                          arguments["checkpoint_every"], arguments["pad_slot"])
     return entry
 
 
@@ -261,10 +263,12 @@ def _rows_readable(x: torch.Tensor) -> bool:
             and x.stride(1) * x.element_size() % 16 == 0 and x.data_ptr() % 16 == 0)
 
 
-def check_host_copies(T, cu_seqlens_cpu, initial_state_indices_cpu, initial_state, checkpoints, checkpoint_every=CHUNK):
+def check_host_copies(T, cu_seqlens_cpu, initial_state_indices_cpu, initial_state, checkpoints, checkpoint_every=CHUNK,
+                      pad_slot=None):
     """The checks that read the host copies' values (their types and shapes are checked before):
     cu_seqlens_cpu rising from 0 to T and, with it, checkpoints' rows; initial_state_indices_cpu
-    below the pool's slots, no slot twice. Read as lists: a few µs a call."""
+    below the pool's slots, no slot twice (but pad_slot, which is neither read nor written). Read as
+    lists: a few µs a call."""
     if cu_seqlens_cpu is not None:
         cu = cu_seqlens_cpu.tolist()
         if cu[0] != 0 or cu[-1] != T or not all(map(operator.le, cu, cu[1:])):
@@ -277,7 +281,7 @@ def check_host_copies(T, cu_seqlens_cpu, initial_state_indices_cpu, initial_stat
         if max(ids) >= slots:
             raise ValueError(f"initial_state_indices_cpu must be below the pool's {slots} slots (negative: "
                              f"no slot), got {max(ids)}")
-        used = [i for i in ids if i >= 0]
+        used = [i for i in ids if i >= 0 and i != pad_slot]
         if len(set(used)) != len(used):
             raise ValueError("initial_state_indices_cpu names a slot twice: two sequences would write one "
                              "pool row")
@@ -675,6 +679,16 @@ def decode_plan_for(arguments: dict) -> tuple[DecodePlan, Kernels]:
     return _cached(None if key is None else ("decode", *key), lambda: make_decode_plan(**arguments))[0]
 
 
+def _check_pad_slot(pad_slot, indices):
+    """pad_slot: None, or a slot of the pool (a non-negative int) where slot indices are given."""
+    if pad_slot is None:
+        return
+    if isinstance(pad_slot, bool) or not isinstance(pad_slot, int) or pad_slot < 0:
+        raise TypeError(f"pad_slot must be a non-negative int (a slot of the pool), got {pad_slot!r}")
+    if indices is None:
+        raise ValueError("pad_slot is a slot of the pool that padding rows name: it needs slot indices")
+
+
 def _validate_decode_serving(q, v, N, initial_state, output_final_state, inplace_final_state, indices, accepted,
                              out, pad_slot, state_v_first, cu_seqlens) -> int:
     """Checks kda_decode's state pool, indices, accepted counts, out and pad_slot; returns the index
@@ -722,9 +736,5 @@ def _validate_decode_serving(q, v, N, initial_state, output_final_state, inplace
         if out.stride(-1) != 1 or B > 1 and out.stride(0) != T * out.stride(1):
             raise ValueError(f"out's channels must be dense and its tokens evenly spaced through the batch, "
                              f"got strides {list(out.stride())}")
-    if pad_slot is not None:
-        if isinstance(pad_slot, bool) or not isinstance(pad_slot, int) or pad_slot < 0:
-            raise TypeError(f"pad_slot must be a non-negative int (a slot of the pool), got {pad_slot!r}")
-        if indices is None:
-            raise ValueError("pad_slot is a slot of the pool that padding rows name: it needs ssm_state_indices")
+    _check_pad_slot(pad_slot, indices)
     return columns

@@ -199,7 +199,7 @@ BAD_INPUTS = {
                                                                                                   dtype=torch.float64))),
     "out of the wrong dtype": (ValueError, "out must be", dict(out=torch.zeros(2, 1, 2, 64, dtype=torch.float16))),
     "a negative pad slot": (TypeError, "pad_slot", dict(pad_slot=-1)),
-    "a pad slot without indices": (ValueError, "needs ssm_state_indices", dict(
+    "a pad slot without indices": (ValueError, "needs slot indices", dict(
         ssm_state_indices=None, initial_state=torch.zeros(2, 2, 64, 64), pad_slot=0)),
     "a NaN scale": (ValueError, "finite", dict(scale=float("nan"))),
 }

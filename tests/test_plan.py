@@ -95,6 +95,13 @@ BAD_INPUTS = {
         "indices_cpu a slot twice": (ValueError, "twice", dict(
             cu_seqlens=torch.tensor([0, 3, 8]), initial_state=POOL, initial_state_indices=torch.tensor([2, 2]),
             initial_state_indices_cpu=torch.tensor([2, 2]))),
+        "pad_slot without slot indices": (ValueError, "needs slot indices", dict(
+            initial_state=torch.zeros(1, 2, 64, 64), pad_slot=0)),
+        "pad_slot negative": (TypeError, "pad_slot", dict(
+            initial_state=POOL, initial_state_indices=torch.tensor([0]), pad_slot=-1)),
+        "indices_cpu a slot twice, the pad slot apart": (ValueError, "twice", dict(
+            cu_seqlens=torch.tensor([0, 3, 5, 8]), initial_state=POOL, initial_state_indices=torch.tensor([2, 0, 2]),
+            initial_state_indices_cpu=torch.tensor([2, 0, 2]), pad_slot=0)),
         "indices_cpu other length": (ValueError, "initial_state_indices_cpu must have shape", dict(
             initial_state=POOL, initial_state_indices=torch.tensor([1]), initial_state_indices_cpu=torch.tensor([1, 2]))),
         "has_initial_state int": (TypeError, "has_initial_state", dict(
@@ -292,6 +299,15 @@ HOST_COPY_ERRORS = {
     "a slot past the pool": (dict(initial_state_indices_cpu=torch.tensor([0, 4, 1])), "below the pool's 4 slots"),
     "a slot twice": (dict(initial_state_indices_cpu=torch.tensor([2, -1, 2])), "twice"),
 }
+
+
+def test_pad_slot_may_be_named_many_times():
+    """initial_state_indices_cpu may name the declared pad slot any number of times (vLLM pads with
+    slot 0): it is neither read nor written."""
+    from kda_opt.plan import check_host_copies
+    check_host_copies(8, None, torch.tensor([0, 2, 0, 0, 1]), POOL, None, pad_slot=0)
+    with pytest.raises(ValueError, match="twice"):
+        check_host_copies(8, None, torch.tensor([0, 2, 0, 0, 1]), POOL, None)
 
 
 @pytest.mark.parametrize("case", list(HOST_COPY_ERRORS))

@@ -572,3 +572,33 @@ def test_guard_bands(seed):
             ck_rows = lambda x: x[4096:-4096].view(-1, row_elems)
             assert torch.equal(ck_rows(after)[-3:], ck_rows(old)[-3:]) and torch.equal(ck_rows(after)[:, -16:],
                                                                                         ck_rows(old)[:, -16:])
+
+
+@gpu
+@pytest.mark.parametrize("pad", ["negative slots", "a pad slot many rows name"])
+def test_padded_prefill_leaves_live_rows_as_unpadded(pad):
+    """A packed prefill batch with padding sequences (−1, or the declared pad_slot that vLLM pads with)
+    writes every live request's o rows and pool row bit for bit as the batch without them, and no
+    other row of the pool (the pad slot's included)."""
+    live_lens, pad_lens = [130, 1, 64, 7], [1, 1, 5]
+    lens = live_lens[:2] + pad_lens[:2] + live_lens[2:] + pad_lens[2:]
+    args = random_inputs(1, sum(lens), 2, 128, seqlens=lens, l2norm=True, beta_logits=True, state_v_first=True, seed=2)
+    pool = torch.randn(9, 2, 128, 128, device="cuda")
+    live_slots, pad_slot = [3, 7, 1, 5], (-1 if pad == "negative slots" else 0)
+    slots = torch.tensor(live_slots[:2] + [pad_slot] * 2 + live_slots[2:] + [pad_slot], device="cuda")
+    tuning = Tuning(block_v=64)     # one V block for both calls, whatever their programs' count
+    padded = {**args, "initial_state": pool.clone(), "initial_state_indices": slots, "output_final_state": False,
+              "initial_state_indices_cpu": slots.cpu(), **({"pad_slot": 0} if pad_slot == 0 else {})}
+    o, _ = run(make_plan(**padded, tuning=tuning), **{n: padded.get(n) for n in RUN_TENSORS})
+    starts = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    keep = [n for n in range(len(lens)) if slots[n] != pad_slot]
+    tokens = [t for n in keep for t in range(starts[n], starts[n + 1])]
+    alone = {**{n: (x[:, tokens] if n in ("q", "k", "v", "g", "beta") else x) for n, x in args.items()},
+             "cu_seqlens": torch.tensor([0, *live_lens], device="cuda").cumsum(0),
+             "cu_seqlens_cpu": torch.tensor([0, *live_lens]).cumsum(0), "initial_state": pool.clone(),
+             "initial_state_indices": torch.tensor(live_slots, device="cuda"), "output_final_state": False}
+    o_alone, _ = run(make_plan(**alone, tuning=tuning), **{n: alone.get(n) for n in RUN_TENSORS})
+    assert torch.equal(o[:, tokens], o_alone)
+    assert torch.equal(padded["initial_state"], alone["initial_state"])     # live rows alike, every other row untouched
+    untouched = [r for r in range(9) if r not in live_slots]
+    assert torch.equal(padded["initial_state"][untouched], pool[untouched])
