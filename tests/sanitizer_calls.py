@@ -70,6 +70,8 @@ CALLS = {
         1, sum(MIXED), H, K, seqlens=MIXED, initial_state=True, l2norm=True, beta_logits=True, state_v_first=True)),
     "pool, −1 and out-of-range slots": lambda: kda_forward(**pool_call(
         MIXED, [5, -1, 0, 9, 2, 3, 1, -1], 6, has=[True, True, False, True, True, True, False, True])),
+    "pool, a pad slot many rows name": lambda: kda_forward(**pool_call(MIXED, [5, 0, 0, 2, 0, 3, 1, 0], 6),
+                                                          pad_slot=0),
     "pool, V-first bf16": lambda: kda_forward(**pool_call(MIXED, [5, -1, 0, 2, 4, 3, 1, 6], 7, v_first=True,
                                                           dtype=torch.bfloat16)),
     "pool of one row, slot 0": lambda: kda_forward(**pool_call([130], [0], 1)),
