@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from .gate import log_decay
-from .launch import Kernels, triton_launch
 from .intra import L2_EPS
+from .launch import Kernels, triton_launch
 from .options import state_shape
 from .plan import DecodePlan, decode_plan_for
 
