@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gate import log_decay
+from .gate import gate_mode, log_decay
 from .intra import L2_EPS
 from .launch import Kernels, triton_launch
 from .options import state_shape
@@ -128,21 +128,21 @@ def decode(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial
     their last dimension dense. has_initial_state: [N] bool, zeros where false (kda_forward's)."""
     o = torch.empty_like(v) if out is None else out
     stand_in = q                       # a pointer for absent arrays, never dereferenced
-    pool = indices if indices is None or indices.dim() == 2 else indices.view(-1, 1)
+    by_column = indices if indices is None or indices.dim() == 2 else indices.view(-1, 1)   # [N, COLUMNS]
     triton_launch(
         decode_kernel, (plan.N * plan.HV, plan.V // plan.block_v), kernels,
         q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, o=o,
         s_in=stand_in if initial_state is None else initial_state,
         s_out=stand_in if final_state is None else final_state,
-        cu_seqlens=cu_seqlens, indices=pool, accepted=accepted, has_state=has_initial_state,
+        cu_seqlens=cu_seqlens, indices=by_column, accepted=accepted, has_state=has_initial_state,
         T=plan.T, slots=plan.slots, pad_slot=-1 if plan.pad_slot is None else plan.pad_slot,
         scale=plan.scale, lower_bound=float(plan.gate.lower_bound or 0.0),
         SQT=q.stride(1), SQH=q.stride(2), SKT=k.stride(1), SKH=k.stride(2), SVT=v.stride(1), SVH=v.stride(2),
         SGT=g.stride(1), SGH=g.stride(2), SBT=beta.stride(1), SBH=beta.stride(2), SOT=o.stride(1), SOH=o.stride(2),
         S_IN=0 if initial_state is None else initial_state.stride(0),
         S_OUT=0 if final_state is None else final_state.stride(0),
-        S_IDX=0 if pool is None else pool.stride(0),
-        H=plan.H, HV=plan.HV, K=plan.K, V=plan.V, BV=plan.block_v, MODE=plan.gate_mode,
+        S_IDX=0 if by_column is None else by_column.stride(0),
+        H=plan.H, HV=plan.HV, K=plan.K, V=plan.V, BV=plan.block_v, MODE=gate_mode(plan.gate),
         HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, L2NORM=plan.l2norm,
         BETA_SIGMOID=plan.beta_sigmoid or 0.0, V_FIRST=plan.state_v_first, PACKED=plan.packed,
         READ=plan.read, WRITE=plan.write, COLUMNS=plan.columns, ACCEPTED=accepted is not None,

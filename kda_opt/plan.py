@@ -38,7 +38,6 @@ import torch
 
 from .intra import warps_for
 from .launch import Kernels
-from .gate import gate_mode
 from .options import CHUNK, GateConfig, state_shape
 from .wuso import INT32_MAX, WORKER_WARPS, block_v_for
 
@@ -169,7 +168,7 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         scale=K ** -0.5 if scale is None else scale,
         gate=GateConfig(in_kernel=use_gate_in_kernel, lower_bound=lower_bound, safe_gate=safe_gate),
         l2norm=use_qk_l2norm_in_kernel,
-        beta_sigmoid=(2.0 if allow_neg_eigval else 1.0) if use_beta_sigmoid_in_kernel else None,
+        beta_sigmoid=_beta_sigmoid(use_beta_sigmoid_in_kernel, allow_neg_eigval),
         # Tm (k's dtype) holds β on its diagonal: where β is not a number of that dtype, stage 4 adds
         # back what its rounding lost.
         beta_residual=k.dtype != torch.float32 and (use_beta_sigmoid_in_kernel or beta.dtype != k.dtype),
@@ -340,6 +339,11 @@ def time_segments(T: int, N: int, programs: int, sms: int, is_packed: bool, segm
     count = min(max_segments, T // segment_tokens)
     step = -(-T // (count * align)) * align
     return tuple((t0, min(t0 + step, T)) for t0 in range(0, T, step))
+
+
+def _beta_sigmoid(use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool) -> float | None:
+    """β = _beta_sigmoid · sigmoid(beta) where beta holds logits (2 with allow_neg_eigval); None: beta is β."""
+    return (2.0 if allow_neg_eigval else 1.0) if use_beta_sigmoid_in_kernel else None
 
 
 def _scale(scale) -> float:
@@ -577,7 +581,6 @@ class DecodePlan(Sizes):
     cu_seqlens); what its kernel reads and writes (kda_opt/decode's READ / WRITE codes)."""
     scale: float
     gate: GateConfig
-    gate_mode: int                # kda_opt/gate's PREACTIVATED, SIGMOID or SOFTPLUS
     l2norm: bool
     beta_sigmoid: float | None    # β = beta_sigmoid · sigmoid(beta); None: beta is β
     state_v_first: bool
@@ -650,12 +653,12 @@ def _routed_decodes(sizes: Sizes, scale, l2norm, gate_in_kernel, lower_bound, be
 def _decode_plan(sizes: Sizes, scale, l2norm, gate_in_kernel, lower_bound, beta_sigmoid, neg_eigval, v_first, packed,
                  sms, **access) -> "DecodePlan":
     """A DecodePlan from checked options; `access`: what it reads and writes (DecodePlan's fields)."""
-    gate = GateConfig(in_kernel=gate_in_kernel, lower_bound=lower_bound)
     block_v = decode_block_v(sizes.N * sizes.HV, sizes.V, sms)
     return DecodePlan(
-        **vars(sizes), scale=sizes.K ** -0.5 if scale is None else scale, gate=gate, gate_mode=gate_mode(gate),
-        l2norm=l2norm, beta_sigmoid=(2.0 if neg_eigval else 1.0) if beta_sigmoid else None, state_v_first=v_first,
-        packed=packed, block_v=block_v, num_warps=8 if block_v == 64 else 4, **access)
+        **vars(sizes), scale=sizes.K ** -0.5 if scale is None else scale,
+        gate=GateConfig(in_kernel=gate_in_kernel, lower_bound=lower_bound), l2norm=l2norm,
+        beta_sigmoid=_beta_sigmoid(beta_sigmoid, neg_eigval), state_v_first=v_first, packed=packed,
+        block_v=block_v, num_warps=8 if block_v == 64 else 4, **access)
 
 
 def decode_block_v(programs: int, V: int, sms: int) -> int:
