@@ -430,6 +430,15 @@ ROW_DEFAULTS = {"varlen": 0, "config": "default", "initial_state": 0, "decay": "
                 "kda_opt_ckpt_every_ms": NOT_RUN, "ckpt_every_cost_pct": NOT_RUN}
 
 
+def planned_call(args, tuning):
+    """kda_forward's call on its keyword arguments `args` under a plan made once, now, with other
+    launch knobs (kda_opt/plan.Tuning): a function of no arguments, timed without the planning."""
+    from kda_opt.forward import RUN_TENSORS, run
+    from kda_opt.plan import make_plan
+    plan, tensors = make_plan(**args, tuning=tuning), {n: args.get(n) for n in RUN_TENSORS}
+    return lambda: run(plan, **tensors)
+
+
 def medians_in_turns(runs, warmup, rep):
     """{name: ms} for {name: call}: each called once first (JIT and FLA's autotuning stay out of the
     timings), then three rounds of do_bench medians with the systems in turns, the middle round kept."""

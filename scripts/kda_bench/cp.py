@@ -17,7 +17,7 @@ import time
 import torch
 
 from . import peers
-from .bench import NOT_RUN, Case, gpu_tag, medians_in_turns, read_csv, show, write_table
+from .bench import NOT_RUN, Case, gpu_tag, medians_in_turns, planned_call, read_csv, show, write_table
 
 CP_SHAPES = [(1, 65536, 16), (1, 131072, 8), (1, 262144, 4)]
 CP_RANK_SHAPES = [(1, 524288, 32), (1, 1048576, 16)]   # across GPUs
@@ -28,11 +28,8 @@ FIELDS = ["gpus", "B", "T", "H", "config", "kda_opt_ms", "sequential_ms", "fla_m
 
 def runs(args, fla, kda_forward):
     """{system: call} for one row: kda_forward, its sequential path, FLA, and FlashKDA where it runs."""
-    from kda_opt.forward import RUN_TENSORS, run
-    from kda_opt.plan import Tuning, make_plan
-    sequential = make_plan(**args, tuning=Tuning(parallel=False))
-    calls = {"kda_opt": lambda: kda_forward(**args),
-             "sequential": lambda: run(sequential, **{n: args.get(n) for n in RUN_TENSORS}),
+    from kda_opt.plan import Tuning
+    calls = {"kda_opt": lambda: kda_forward(**args), "sequential": planned_call(args, Tuning(parallel=False)),
              "fla": lambda: fla(**args)}
     flashkda, _ = peers.flashkda(args)
     if flashkda:

@@ -20,7 +20,7 @@ read once and written once per state it writes), timed in the same run. Written 
 import torch
 
 from . import host, peers
-from .bench import NOT_RUN, medians_in_turns, show, write_rows
+from .bench import NOT_RUN, medians_in_turns, planned_call, show, write_rows
 from .inputs import random_inputs
 
 K = 128
@@ -113,13 +113,10 @@ def folded_flashkda(args, pool, slots):
 def mixed_runs(decodes, prefills, H, fla_chunk, fla_decode):
     """{system: step()} for a mixed row: decodes first, then the prefills, in one packed batch."""
     from kda_opt import kda_forward
-    from kda_opt.forward import RUN_TENSORS, run
-    from kda_opt.plan import Tuning, make_plan
+    from kda_opt.plan import Tuning
     args, pool, slots = serving_call(decodes, H, 1, prefills, "fp32")
     ours = {**args, "initial_state": pool, "initial_state_indices": slots, "output_final_state": False}
-    routed = make_plan(**ours, tuning=Tuning(route_decodes=True))
-    runs = {"kda_opt": lambda: kda_forward(**ours),
-            "kda_opt_routed": lambda: run(routed, **{n: ours.get(n) for n in RUN_TENSORS})}
+    runs = {"kda_opt": lambda: kda_forward(**ours), "kda_opt_routed": planned_call(ours, Tuning(route_decodes=True))}
     # FLA: its decode kernel on the decodes (pool in place), chunk_kda on the prefills (rows gathered).
     cu = args["cu_seqlens"]
     decode_part = {n: (x[:, :decodes] if n in ("q", "k", "v", "g", "beta") else x) for n, x in args.items()
