@@ -378,5 +378,4 @@ def test_decode_is_flas_decode_kernel(case):
     theirs.pop("pad_slot")
     fla_o, fla_state = fused(**theirs)
     o, state = decoded(args)
-    tolerance = TOLERANCE if HAS_CUDA else 1e-5
-    assert rel_err(o, fla_o) < tolerance and rel_err(state, fla_state) < tolerance
+    assert rel_err(o, fla_o) < TOLERANCE and rel_err(state, fla_state) < TOLERANCE
