@@ -129,24 +129,21 @@ def decode(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial
     o = torch.empty_like(v) if out is None else out
     stand_in = q                       # a pointer for absent arrays, never dereferenced
     by_column = indices if indices is None or indices.dim() == 2 else indices.view(-1, 1)   # [N, COLUMNS]
+    # decode_kernel's parameters in order (a decode step's host time is mostly its launch's).
     triton_launch(
         decode_kernel, (plan.N * plan.HV, plan.V // plan.block_v), kernels,
-        q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, o=o,
-        s_in=stand_in if initial_state is None else initial_state,
-        s_out=stand_in if final_state is None else final_state,
-        cu_seqlens=cu_seqlens, indices=by_column, accepted=accepted, has_state=has_initial_state,
-        T=plan.T, slots=plan.slots, pad_slot=-1 if plan.pad_slot is None else plan.pad_slot,
-        scale=plan.scale, lower_bound=float(plan.gate.lower_bound or 0.0),
-        SQT=q.stride(1), SQH=q.stride(2), SKT=k.stride(1), SKH=k.stride(2), SVT=v.stride(1), SVH=v.stride(2),
-        SGT=g.stride(1), SGH=g.stride(2), SBT=beta.stride(1), SBH=beta.stride(2), SOT=o.stride(1), SOH=o.stride(2),
-        S_IN=0 if initial_state is None else initial_state.stride(0),
-        S_OUT=0 if final_state is None else final_state.stride(0),
-        S_IDX=0 if by_column is None else by_column.stride(0),
-        H=plan.H, HV=plan.HV, K=plan.K, V=plan.V, BV=plan.block_v, MODE=gate_mode(plan.gate),
-        HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, L2NORM=plan.l2norm,
-        BETA_SIGMOID=plan.beta_sigmoid or 0.0, V_FIRST=plan.state_v_first, PACKED=plan.packed,
-        READ=plan.read, WRITE=plan.write, COLUMNS=plan.columns, ACCEPTED=accepted is not None,
-        PAD=plan.pad_slot is not None, HAS_MASK=has_initial_state is not None, SINGLE=plan.single,
+        q, k, v, g, beta, A_log, dt_bias, o,
+        stand_in if initial_state is None else initial_state, stand_in if final_state is None else final_state,
+        cu_seqlens, by_column, accepted, has_initial_state,
+        plan.T, plan.slots, -1 if plan.pad_slot is None else plan.pad_slot, plan.scale,
+        float(plan.gate.lower_bound or 0.0),
+        q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), g.stride(1), g.stride(2),
+        beta.stride(1), beta.stride(2), o.stride(1), o.stride(2),
+        0 if initial_state is None else initial_state.stride(0), 0 if final_state is None else final_state.stride(0),
+        0 if by_column is None else by_column.stride(0),
+        plan.H, plan.HV, plan.K, plan.V, plan.block_v, gate_mode(plan.gate), A_log is not None, dt_bias is not None,
+        plan.l2norm, plan.beta_sigmoid or 0.0, plan.state_v_first, plan.packed, plan.read, plan.write, plan.columns,
+        accepted is not None, plan.pad_slot is not None, has_initial_state is not None, plan.single,
         num_warps=plan.num_warps,
     )
     return o
@@ -238,6 +235,8 @@ def run(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial_st
 def _token_rows(x):
     """x [B, T, heads(, channels)] as the kernel reads it: channels dense and token rows evenly spaced
     through the batch (row n·T + t at (n·T + t) · stride(1)); else a contiguous copy."""
+    if x.is_contiguous():
+        return x
     B, T = x.shape[:2]
     dense = x.dim() == 3 or x.stride(-1) == 1
     return x if dense and (B == 1 or x.stride(0) == T * x.stride(1)) else x.contiguous()

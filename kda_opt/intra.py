@@ -30,9 +30,11 @@ decay rate: no data-dependent path (FLA computes these entries token by token in
 Precision. bf16 inputs: the row-block products take bf16 operands, Aqk's q rows split as hi + lo
 (two products: Aqk then carries only the column operand's rounding, 1.7e-3 relative before its
 bf16 store, against 2.4e-3 with one rounded q; emulated in float64). fp16 inputs: one tf32 pass (fp16
-stores Aqk 8× finer than bf16, and its range cannot hold the row factor). fp32 inputs: three tf32
-passes. Aqk's diagonal is a row sum in fp32 whatever the dtype. The inverse and its merges run in
-tf32 (three passes for fp32 inputs).
+stores Aqk 8× finer than bf16, and its range cannot hold the row factor). fp32 inputs: one tf32 pass
+too (three passes, tf32x3, keep o nearer fp32, but the error against float64 with one pass is still
+below FLA's fp32 call's on the same inputs, ill-conditioned chunks included: docs/DESIGN.md, "fp32
+inputs"). Aqk's diagonal is a row sum in fp32 whatever the dtype. The inverse and its merges run in
+tf32.
 
 Inverse. Block forward substitution over the row blocks, as they are computed (FLA's solve_tril merges
 16×16 inverses the same way): with A_Rm the 16×16 blocks of Akk and E_R the rows of I in block R,
@@ -71,7 +73,7 @@ SHIFT: tl.constexpr = tl.constexpr(0.5 * (CHUNK // 4 - 1) * 5.0 / math.log(2.0))
 L2_EPS: tl.constexpr = tl.constexpr(L2NORM_EPS)
 # Channels per slab and warps per chunk (module docstring, "Registers"): the fastest pair tried at the
 # default shape in both calls and with the softplus gate, bf16 and fp16, K = 64 and 128; fp32 inputs
-# (three tf32 passes per product) take twice the warps (scripts/bench_stages.py --intra-warps).
+# (twice the bytes per operand) take twice the warps (scripts/bench_stages.py --intra-warps).
 CHANNEL_SLAB = 64
 NUM_WARPS = 2
 FP32_WARPS = 4
@@ -331,7 +333,7 @@ def intra_chunk_kernel(
     cu_seqlens, chunk_indices,        # packed sequences (kda_opt/seqs), or None
     T, scale,
     SQ: tl.constexpr, SK: tl.constexpr, SB: tl.constexpr,  # q's, k's and beta's token strides (views)
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, UNBOUNDED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, UNBOUNDED: tl.constexpr,
     SPLIT_BF16: tl.constexpr, PACKED: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
     BETA_RESIDUAL: tl.constexpr, KS: tl.constexpr,
 ):
@@ -364,7 +366,7 @@ def intra_chunk_kernel(
     if L2NORM:
         Rstd += (i_b * H + i_h) * T_all + tok
         rstd_plane = tl.num_programs(0).to(tl.int64) // HV * H * T_all     # B·H·T: q's norms, then k's
-    P: tl.constexpr = DOT_PRECISION
+    P: tl.constexpr = "tf32"          # every product's operands (module docstring, "Precision")
     # The row blocks R = 0..3 against their first BTC columns (_row_block); an unbounded gate's
     # blocks 1 and 2 need only the columns before their diagonal blocks.
     # Rows past T have zero Akk rows: identity rows of the inverse, never stored, never reached. A
@@ -434,8 +436,7 @@ def intra_chunk(q, k, gcum, beta, scale: float, *, gate_bounded: bool = False, s
         PACKED=seqs.packed, L2NORM=l2norm,
         UNBOUNDED=not gate_bounded, BETA_SIGMOID=float(beta_sigmoid or 0.0),
         BETA_RESIDUAL=beta_residual is not None,
-        # Precision (module docstring). The interpreter ignores DOT_PRECISION and multiplies in fp32.
-        DOT_PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", SPLIT_BF16=q.dtype == torch.bfloat16,
+        SPLIT_BF16=q.dtype == torch.bfloat16,
         num_warps=num_warps or warps_for(q.dtype),
     )
     return Aqk, Tm

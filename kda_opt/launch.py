@@ -18,20 +18,21 @@ from triton import knobs
 Kernels = dict  # JITFunction → its compiled kernel, for one plan
 
 
-def triton_launch(fn, grid, kernels: Kernels | None, **args):
-    """fn[grid](**args), through the compiled kernel held in `kernels` where it is there (None: always
-    through the JIT). args: the kernel's parameters by name, and launch options (num_warps)."""
+def triton_launch(fn, grid, kernels: Kernels | None, *params, num_warps: int = 4, **args):
+    """fn[grid](...) through the compiled kernel held in `kernels` where it is there (None: always
+    through the JIT). The kernel's parameters: `params`, every one in order (the cheaper on the
+    host), or `args` by name; num_warps: its warps (Triton's default 4)."""
     kernel = None if kernels is None else kernels.get(fn)
     if kernel is None or _launch_hooks():
         # First launch under the plan, or a profiler's launch hook that wants the JIT's launch
         # metadata. Under TRITON_INTERPRET the launch returns no compiled kernel: every launch is here.
-        kernel = fn[grid](**args)
+        kernel = fn[grid](*params, **args, num_warps=num_warps)
         if kernels is not None and hasattr(kernel, "packed_metadata"):
             kernels[fn] = kernel
         return
     g = tuple(grid) + (1,) * (3 - len(grid))
     kernel.run(g[0], g[1], g[2], current_stream(), kernel.function, kernel.packed_metadata, None, None, None,
-               *[args[name] for name in fn.arg_names])
+               *(params or [args[name] for name in fn.arg_names]))
 
 
 def _launch_hooks() -> bool:

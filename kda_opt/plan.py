@@ -636,7 +636,8 @@ def make_decode_plan(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, ini
         use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens is not None, sms,
         read=0 if initial_state is None else 1 if indices is None else 2, write=write,
         output_final_state=output_final_state, columns=columns,
-        slots=0 if indices is None else initial_state.shape[0], pad_slot=pad_slot, single=False)
+        slots=0 if indices is None else initial_state.shape[0], pad_slot=pad_slot, single=False,
+        state_itemsize=4 if initial_state is None or output_final_state else initial_state.element_size())
 
 
 def _routed_decodes(sizes: Sizes, scale, l2norm, gate_in_kernel, lower_bound, beta_sigmoid, neg_eigval, v_first,
@@ -647,32 +648,35 @@ def _routed_decodes(sizes: Sizes, scale, l2norm, gate_in_kernel, lower_bound, be
                         sms, read=0 if initial_state is None else 2 if pool else 1,
                         write=2 if pool else 1 if output_final_state else 0, output_final_state=output_final_state,
                         columns=1 if pool else 0, slots=initial_state.shape[0] if pool else 0, pad_slot=None,
-                        single=True)
+                        single=True, state_itemsize=4 if initial_state is None else initial_state.element_size())
 
 
 def _decode_plan(sizes: Sizes, scale, l2norm, gate_in_kernel, lower_bound, beta_sigmoid, neg_eigval, v_first, packed,
-                 sms, **access) -> "DecodePlan":
-    """A DecodePlan from checked options; `access`: what it reads and writes (DecodePlan's fields)."""
-    block_v = decode_block_v(sizes.N * sizes.HV, sizes.V, sms)
+                 sms, state_itemsize, **access) -> "DecodePlan":
+    """A DecodePlan from checked options; `access`: what it reads and writes (DecodePlan's fields);
+    state_itemsize: the bytes of one element of the states it reads and writes."""
+    block_v, num_warps = decode_launch(sizes.N * sizes.HV, sizes.V, state_itemsize, v_first, sms)
     return DecodePlan(
         **vars(sizes), scale=sizes.K ** -0.5 if scale is None else scale,
         gate=GateConfig(in_kernel=gate_in_kernel, lower_bound=lower_bound), l2norm=l2norm,
         beta_sigmoid=_beta_sigmoid(beta_sigmoid, neg_eigval), state_v_first=v_first, packed=packed,
-        block_v=block_v, num_warps=8 if block_v == 64 else 4, **access)
+        block_v=block_v, num_warps=num_warps, **access)
 
 
-def decode_block_v(programs: int, V: int, sms: int) -> int:
-    """kda_decode's V columns per program: the widest of 64, 32, 16 that still gives every SM
-    DECODE_WAVES programs of (request, value head, V block), so that each SM has state loads in flight
-    from several programs at once (a step is the state's bytes: kda_opt/decode). Its warps: 8 at 64
-    columns (4 would take all 255 registers at K = 128), else 4."""
-    for block_v in (64, 32):
-        if block_v <= V and programs * (V // block_v) >= DECODE_WAVES * sms:
-            return block_v
-    return 16
+def decode_launch(programs: int, V: int, state_itemsize: int, v_first: bool, sms: int) -> tuple[int, int]:
+    """kda_decode's (V columns, warps) per program of (request, value head): a step is the state's
+    bytes (kda_opt/decode), and what it leaves to hide is the reductions over K of each token. The
+    fastest measured (docs/DESIGN.md, Decode): fp32 states in blocks of 64 columns by 2 warps (each
+    thread holds 128 of the block's elements; more warps per block add reductions across warps; a
+    K-first block, its columns dense, needs 4 warps to hold it without spilling), where that still
+    gives every SM DECODE_PROGRAMS programs; otherwise, and for 16-bit states, 16 columns by one warp
+    (the reductions within the warp, and more programs to spread a small step)."""
+    if state_itemsize == 4 and V >= 64 and programs * (V // 64) >= DECODE_PROGRAMS * sms:
+        return 64, 2 if v_first else 4
+    return 16, 1
 
 
-DECODE_WAVES = 4
+DECODE_PROGRAMS = 16
 
 
 def decode_plan_for(arguments: dict) -> tuple[DecodePlan, Kernels]:

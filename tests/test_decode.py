@@ -173,9 +173,14 @@ def test_plan_reads_and_writes():
     assert plan(slots=None, indices=None, inplace=False, state=False).read == 0
 
 
-def test_block_v_widens_with_the_batch():
-    assert plan(N=1, indices=[0]).block_v == 16
-    assert plan(N=512, indices=list(range(512)), slots=512).block_v == 64
+def test_launch_widens_with_the_batch_of_fp32_states():
+    """16 columns by one warp for a small step and for 16-bit pools; 64 by two warps once every SM
+    has DECODE_PROGRAMS programs of an fp32 pool."""
+    assert (plan(N=1, indices=[0]).block_v, plan(N=1, indices=[0]).num_warps) == (16, 1)
+    big = dict(N=2048, indices=list(range(2048)), slots=2048)
+    assert (plan(**big).block_v, plan(**big).num_warps) == (64, 4)
+    assert (plan(**big, v_first=True).block_v, plan(**big, v_first=True).num_warps) == (64, 2)
+    assert (plan(**big, pool_dtype=torch.bfloat16).block_v, plan(**big, pool_dtype=torch.bfloat16).num_warps) == (16, 1)
 
 
 def bad(**changes):
@@ -237,18 +242,18 @@ def test_decode_on_the_gpu_as_fla():
 
 POINTERS = dict(q="*bf16", k="*bf16", v="*bf16", g="*bf16", beta="*bf16", A_log="*fp32", dt_bias="*fp32", o="*bf16",
                 s_in="*fp32", s_out="*fp32", cu_seqlens="*i64", indices="*i64", accepted="*i64", has_state="*i1")
-KIMI_DECODE = dict(H=32, HV=32, K=128, V=128, BV=32, MODE=1, HAS_A=True, HAS_BIAS=True, L2NORM=True, BETA_SIGMOID=1.0,
+KIMI_DECODE = dict(H=32, HV=32, K=128, V=128, BV=64, MODE=1, HAS_A=True, HAS_BIAS=True, L2NORM=True, BETA_SIGMOID=1.0,
                    V_FIRST=True, PACKED=True, READ=2, WRITE=2, COLUMNS=1, ACCEPTED=False, PAD=True, HAS_MASK=False,
                    SINGLE=False)
 VARIANTS = [
-    dict(), dict(BV=16), dict(BV=64, num_warps=8), dict(V_FIRST=False, WRITE=3, COLUMNS=4, ACCEPTED=True),
+    dict(), dict(BV=16, num_warps=1), dict(V_FIRST=False, WRITE=3, COLUMNS=4, ACCEPTED=True, num_warps=4),
     dict(WRITE=3, COLUMNS=2, PACKED=False), dict(SINGLE=True, HAS_MASK=True, PAD=False),
     dict(SINGLE=True, READ=1, WRITE=1, HAS_MASK=True, PAD=False),
     dict(READ=1, WRITE=1, PACKED=False, PAD=False, L2NORM=False, BETA_SIGMOID=0.0, MODE=0, HAS_A=False,
-         HAS_BIAS=False), dict(READ=0, WRITE=0, MODE=2, K=64, V=64, BV=16, H=8, HV=16)]
+         HAS_BIAS=False), dict(READ=0, WRITE=0, MODE=2, K=64, V=64, BV=16, H=8, HV=16, num_warps=1)]
 
 
-def sm90_cubin(num_warps=4, **changes):
+def sm90_cubin(num_warps=2, **changes):
     """decode_kernel compiled for sm_90 with Kimi's decode call's constants, changed by `changes`
     (Triton's JIT, not its interpreter: see sm90_resources)."""
     import triton

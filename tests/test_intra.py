@@ -275,8 +275,8 @@ def test_intra_gpu_inverse_far_from_identity(T, dtype):
 def test_intra_gpu_fp32(gate):
     x = stage_inputs(1, 1000, 2, 128, HV=4, gate=gate, device="cuda", seed=5)
     Aqk, Tm, rAqk, rTm = run(x, 128 ** -0.5)
-    # fp32 inputs: three tf32 passes, ≈ fp32 accuracy.
-    assert rel_err(Aqk, rAqk) < 1e-5 and rel_err(Tm, rTm) < 1e-5
+    # fp32 inputs: one tf32 pass, as fp16's (≈ 3e-4 relative per Akk entry, amplified by the inverse).
+    assert rel_err(Aqk, rAqk) < 3e-3 and rel_err(Tm, rTm) < 3e-3
     assert_structure(Aqk, Tm, x["beta"], 1000)
 
 

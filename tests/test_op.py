@@ -135,7 +135,7 @@ def test_decode_graph_replay_on_new_data_equals_eager():
     fresh = decode_call("cuda", N=64, H=4, out=True)
     expected_o, expected_pool = kda_opt.kda_decode(**{**fresh, "ssm_state_indices": a["ssm_state_indices"],
                                                       "initial_state": fresh["initial_state"].clone()})
-    for name in ("q", "k", "v", "g", "beta", "initial_state"):
+    for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"):
         a[name].copy_(fresh[name])
     graph.replay()
     assert torch.equal(a["out"], expected_o) and torch.equal(a["initial_state"], expected_pool)

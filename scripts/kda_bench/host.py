@@ -57,18 +57,28 @@ def host_ms(runs):
     return {system: statistics.median(r) for system, r in rounds.items()}
 
 
-def graph_ms(f):
-    """Median ms of f replayed from a CUDA graph (captured after a warm-up on a side stream)."""
+def graph_ms(f, calls=1, cold=False):
+    """Median ms per call of f, `calls` calls replayed from one CUDA graph (captured after a warm-up
+    on a side stream; several calls, so that a short kernel's time is not the replay's launch).
+    cold: each call after a write of twice the L2 cache (so no call finds its data there, as
+    do_bench's calls do not), that write's own time in a graph subtracted."""
     from triton.testing import do_bench
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        f()
-    return do_bench(graph.replay, return_mode="median")
+    flush = torch.empty(2 * torch.cuda.get_device_properties().L2_cache_size, dtype=torch.uint8, device="cuda")
+
+    def replayed(step):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                step()
+        return do_bench(graph.replay, return_mode="median") / calls
+    if not cold:
+        return replayed(f)
+    return replayed(lambda: (flush.zero_(), f())) - replayed(flush.zero_)
 
 
 def calls(case: Case, extra: str, fla, kda_forward):
