@@ -41,6 +41,7 @@ def test_benchmark_row_says_what_the_state_costs(monkeypatch):
     monkeypatch.setattr(triton.testing, "do_bench", lambda f, **kw: float(next(times)))
     monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(bench.peers, "flashkda", lambda args: (None, "not here"))
+    monkeypatch.setattr(bench, "kernel_ms", lambda f, name: {bench.STAGE1_KERNEL: 0.25}[name])
     seen = []
     forward = lambda **a: seen.append("initial_state" in a and a["initial_state"] is not None)
     case = bench.Case(1, 64, 2, 64, "safe", -5.0, torch.float32, 0)
@@ -49,10 +50,19 @@ def test_benchmark_row_says_what_the_state_costs(monkeypatch):
     row = bench.benchmark(case, lambda **a: None, 1, 1, (1e12, 1e12), forward)
     assert row["initial_state"] == 1 and row["decay"] == "fast" and True in seen and False in seen
     assert isinstance(row["kda_opt_no_state_ms"], float) and isinstance(row["state_cost_pct"], float)
+    assert row["stage1_ms"] == 0.25
     seen.clear()
     row = bench.benchmark(bench.Case(1, 64, 2, 64, "safe", -5.0, torch.float32, 0, initial_state=False),
                           lambda **a: None, 1, 1, (1e12, 1e12), forward)
     assert row["initial_state"] == 0 and row["state_cost_pct"] == bench.NOT_RUN and True not in seen
+
+
+def test_stage1_column_names_stage_1s_kernel():
+    """stage1_ms is the time of kernels named as stage 1's (kda_opt/gate); n/a without CUDA."""
+    from kda_opt.gate import gate_cumsum_kernel
+    assert gate_cumsum_kernel.__name__.startswith(bench.STAGE1_KERNEL)
+    if not torch.cuda.is_available():
+        assert bench.kernel_ms(lambda: None, bench.STAGE1_KERNEL) == bench.NOT_RUN
 
 
 @pytest.mark.parametrize("seqlens", [None, (30, 70)])
@@ -221,7 +231,7 @@ def test_sweep_rows():
     assert len(cases) == 2 * per_gate and {c.gate for c in cases[per_gate:]} == {"softplus"}
     shapes = [(c.B, c.T, c.H) for c in cases[:per_gate] if not c.seqlens and c.config == "default"]
     assert {(1, 8192, 96), (1, 8192, 64), (1, 65536, 16), (1, 2048, 16), (1, 65536, 32)} <= set(shapes)
-    drawn, mix6, mix8, short32, short96, lognormal96, l2norm = cases[per_gate - 7:per_gate]
+    drawn, mix6, mix8, short32, short96, lognormal96, long64, many512, l2norm = cases[per_gate - 9:per_gate]
     assert (drawn.H, len(drawn.seqlens), max(drawn.seqlens) <= 8192) == (32, 64, True)
     assert (mix6.H, mix6.T, mix6.seqlens) == (96, 8192, (1300, 547, 2048, 963, 271, 3063))
     assert (mix8.H, mix8.T, mix8.seqlens) == (96, 8192, (1024,) * 8)
@@ -233,11 +243,15 @@ def test_sweep_rows():
     lens = sorted(lognormal96.seqlens)
     assert (lognormal96.H, len(lens), lens[0], lens[-1], lognormal96.T) == (96, 400, 1, bench.MIN_SEQ_LEN, sum(lens))
     assert 10 <= lens[200] <= 14                                                        # median ≈ 12
+    lens = sorted(long64.seqlens)                                     # prefill under load: 64 long requests
+    assert (long64.H, len(lens), lens[-1], long64.T) == (32, 64, 32768, sum(lens)) and 2000 <= lens[32] <= 2800
+    assert 3500 <= long64.T / 64 <= 4100                                                # mean ≈ 3.8 k
+    assert (many512.H, many512.seqlens) == (32, (512,) * 512)
     assert (l2norm.T, l2norm.H, l2norm.seqlens, l2norm.config) == (8192, 96, None, "l2norm")
     serving = bench.sweep_cases(bench.parse_args(["--sweep-rows", "serving"]))
     shapes = bench.sweep_cases(bench.parse_args(["--sweep-rows", "shapes"]))
-    assert serving == cases[per_gate - 7:per_gate] + cases[-7:]
-    assert shapes == cases[:per_gate - 7] + cases[per_gate:-7]
+    assert serving == cases[per_gate - 9:per_gate] + cases[-9:]
+    assert shapes == cases[:per_gate - 9] + cases[per_gate:-9]
     peers = bench.sweep_cases(bench.parse_args(["--sweep-rows", "peers", "--sweep-gates", "safe"]))
     assert [(c.B, c.T, c.H) for c in peers[:7]] == [(1, 8192, 96), (1, 8192, 64), (8, 4096, 32), (2, 16384, 64),
                                                    (1, 32768, 32), (1, 65536, 16), (1, 2048, 16)]
@@ -247,6 +261,10 @@ def test_sweep_rows():
     dtypes = bench.sweep_cases(bench.parse_args(["--sweep-rows", "dtypes", "--sweep-gates", "safe"]))
     assert [(c.B, c.T, c.H, c.dtype) for c in dtypes] == [(1, 8192, 96, torch.bfloat16), (1, 8192, 96, torch.float32)]
     assert dtypes[0] == cases[0] and dtypes[1].tag.endswith("_fp32")
+    load = bench.sweep_cases(bench.parse_args(["--sweep-rows", "load", "--config", "flashkda"]))
+    assert [(c.B, c.T, c.H) for c in load[:3]] == [(1, 8192, 96), (8, 4096, 32), (2, 16384, 64)]
+    assert [c.seqlens for c in load[3:]] == [long64.seqlens, many512.seqlens]
+    assert {(c.config, c.gate) for c in load} == {("flashkda", "safe")}
 
 
 def test_sweep_in_flashkda_configuration():

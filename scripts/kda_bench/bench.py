@@ -58,7 +58,12 @@ SHORT_MIXES = [(("short", 384, (4096, 4096)), 32), (("short", 256, (2048,) * 4),
 PEER_PACKED = [((1300, 547, 2048, 963, 271, 3063), 96), ((1024,) * 8, 96)] + SHORT_MIXES
 SWEEP_SHAPES = list(dict.fromkeys(PEER_SHAPES + [(1, 1024 * 2 ** i, 32) for i in range(7)]))
 MIN_SEQ_LEN, NUM_SEQS = 64, 64
-SWEEP_PACKED = [("drawn", 32)] + PEER_PACKED
+# Prefill under load (a busy server, an offline batch): the peers' large shapes, 64 long requests
+# (lengths lognormal with a median of 2400 in [1, 32768]: about 245 k tokens, mean 3.8 k) and
+# 512 requests of 512 tokens, both at H = 32.
+LOAD_SHAPES = [(1, 8192, 96), (8, 4096, 32), (2, 16384, 64)]
+LOAD_PACKED = [(("lognormal", 64, 2400, 32768), 32), ((512,) * 512, 32)]
+SWEEP_PACKED = [("drawn", 32)] + PEER_PACKED + LOAD_PACKED
 # Serving steps at Kimi-Linear's H = 32 (CONFIGS["serving"]): the peers' six-request mix, and 64
 # requests drawn in [MIN_SEQ_LEN, 1024] (seed 1).
 SERVING_STEPS = [((1300, 547, 2048, 963, 271, 3063), 32), (("drawn", 1024, 1), 32)]
@@ -156,13 +161,14 @@ def parse_args(argv=None):
     p.add_argument("--sweep-gates", help="gate modes the sweep runs (default safe,softplus; safe with "
                                          "--config flashkda); its rows replace those of the same case "
                                          "in an existing CSV, so a sweep can be run in parts")
-    p.add_argument("--sweep-rows", choices=["all", "shapes", "serving", "peers", "short", "step", "dtypes"],
+    p.add_argument("--sweep-rows", choices=["all", "shapes", "serving", "peers", "short", "step", "dtypes", "load"],
                    default="all",
                    help="which of the sweep's rows run: all; shapes (fixed-length SWEEP_SHAPES); serving "
                         "(the packed mixes and the l2norm row); peers (the peers' rows: PEER_SHAPES, then "
                         "PEER_PACKED); short (the many-short-sequence mixes alone, SHORT_MIXES); step (the "
                         "serving step with a state pool, SERVING_STEPS: kda_bench/serving); dtypes (the "
-                        "default shape with bf16 and with fp32 q, k, v: --dtype is then not used)")
+                        "default shape with bf16 and with fp32 q, k, v: --dtype is then not used); load "
+                        "(prefill under load: LOAD_SHAPES, then LOAD_PACKED)")
     p.add_argument("--out-dir", default="profiles", help="where --sweep and --test host write their CSV (and PNG)")
     args = p.parse_args(argv)
     if args.chunk_size != 64:
@@ -199,17 +205,17 @@ def short_mix_lengths(count, long, seed):
     return tuple(lens[i] for i in torch.randperm(len(lens), generator=gen).tolist())
 
 
-def lognormal_lengths(count, median, seed):
-    """count lengths exp(N(ln median, 1)) rounded and clipped to [1, MIN_SEQ_LEN] (seeded)."""
+def lognormal_lengths(count, median, seed, longest=MIN_SEQ_LEN):
+    """count lengths exp(N(ln median, 1)) rounded and clipped to [1, longest] (seeded)."""
     gen = torch.Generator().manual_seed(seed)
     drawn = torch.exp(torch.randn(count, generator=gen, dtype=torch.float64) + math.log(median))
-    return tuple(drawn.round().clamp(1, MIN_SEQ_LEN).long().tolist())
+    return tuple(drawn.round().clamp(1, longest).long().tolist())
 
 
 def mix_lengths(spec, seed):
     """A packed row's lengths: "drawn" (NUM_SEQS drawn by varlen_lengths up to 8192 with `seed`),
     ("drawn", max_len, its own seed), ("short", count, long) (short_mix_lengths), ("lognormal", count,
-    median) (lognormal_lengths), or the lengths."""
+    median[, longest]) (lognormal_lengths), or the lengths."""
     if spec == "drawn":
         return varlen_lengths(NUM_SEQS, 8192, seed)
     if spec[0] == "drawn":
@@ -217,7 +223,7 @@ def mix_lengths(spec, seed):
     if spec[0] == "short":
         return short_mix_lengths(*spec[1:], seed)
     if spec[0] == "lognormal":
-        return lognormal_lengths(*spec[1:], seed)
+        return lognormal_lengths(*spec[1:3], seed, *spec[3:])
     return spec
 
 
@@ -258,6 +264,8 @@ def sweep_cases(args):
             cases += [dataclasses.replace(c, config="serving") for c in mixes(SERVING_STEPS)]
         if args.sweep_rows == "dtypes":
             cases += [at(dtype=dtype) for dtype in (torch.bfloat16, torch.float32)]
+        if args.sweep_rows == "load":
+            cases += shapes(LOAD_SHAPES) + mixes(LOAD_PACKED)
     return cases
 
 
@@ -337,6 +345,22 @@ def check_fla(c: Case, fla):
 
 
 NOT_RUN = "n/a"  # the FlashKDA columns where it cannot compute the case
+STAGE1_KERNEL = "gate_cumsum"  # stage 1's kernel (kda_opt/gate), whose time a row reports as stage1_ms
+
+
+def kernel_ms(f, name, calls=3):
+    """GPU ms per call of f spent in the kernels whose names start with `name` (0.0 where none runs),
+    from torch.profiler over `calls` calls after one; NOT_RUN without CUDA."""
+    if not torch.cuda.is_available():
+        return NOT_RUN
+    from torch.profiler import ProfilerActivity, profile
+    f()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(calls):
+            f()
+        torch.cuda.synchronize()
+    return sum(e.device_time_total for e in p.key_averages() if e.key.startswith(name)) / calls / 1e3
 CHECKPOINT_EVERY = 512  # tokens between the checkpoints FlashKDA's-configuration rows also time (8 chunks)
 
 
@@ -365,6 +389,7 @@ def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
             runs["kda_opt_ckpt_every"] = lambda: kda_forward(**every)
     flashkda = "flashkda" in runs
     ms = medians_in_turns(runs, warmup, rep)
+    stage1 = kernel_ms(runs["kda_opt"], STAGE1_KERNEL)
     ours_ms = ms["kda_opt"]
     bw, rate = ceilings
     nbytes, flops = min_bytes(c), min_flops(c)
@@ -378,7 +403,7 @@ def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
                kda_opt_ckpt_ms=ms.get("kda_opt_ckpt", NOT_RUN), ckpt_cost_pct=cost("kda_opt", "kda_opt_ckpt"),
                kda_opt_ckpt_every_ms=ms.get("kda_opt_ckpt_every", NOT_RUN),
                ckpt_every_cost_pct=cost("kda_opt", "kda_opt_ckpt_every"),
-               flashkda_ms=ms.get("flashkda", NOT_RUN),
+               stage1_ms=stage1, flashkda_ms=ms.get("flashkda", NOT_RUN),
                speedup_vs_flashkda=ms["flashkda"] / ours_ms if flashkda else NOT_RUN,
                tbps=nbytes / (ours_ms * 1e-3) / 1e12, tflops=flops / (ours_ms * 1e-3) / 1e12,
                bytes_floor_pct=100 * nbytes / bw / (ours_ms * 1e-3),
@@ -395,6 +420,8 @@ def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
     if c.config == "serving":
         state = (f" (pool {row['pool_cost_pct']:+.1f} % over the dense call {ms['kda_opt_dense']:.3f} ms; checkpoints "
                  f"{ms['kda_opt_ckpt']:.3f} ms, {row['ckpt_cost_pct']:+.1f} %)")
+    if stage1 != NOT_RUN:
+        state += f" (stage 1 {stage1:.3f} ms)"
     print(f"  {c.label}: FLA {ms['fla']:.3f} ms  kda_opt {ours_ms:.3f} ms{state}  speedup {row['speedup']:.2f}×  "
           f"{peer}  {row['tbps']:.2f} TB/s ({row['bytes_floor_pct']:.0f}% of bytes floor)  "
           f"{row['tflops']:.0f} TFLOP/s ({row['flops_floor_pct']:.0f}% of FLOP floor)")
@@ -407,6 +434,7 @@ def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
 # initial_state: 1 where every system got one; decay: inputs.DECAYS; dtype: q, k and v's (DTYPES: every
 # system got the same tensors; FLA computes fp32 in its own precision); kda_opt_no_state_ms /
 # state_cost_pct: kda_forward without the state, and what the state costs it (NOT_RUN without one);
+# stage1_ms: of kda_opt_ms, stage 1's pass (STAGE1_KERNEL; 0 where the call has none);
 # flashkda_ms / speedup_vs_flashkda: NOT_RUN where FlashKDA cannot compute the case; fla_flash_kda:
 # FLA_FLASH_KDA as FLA saw it ("0": FLA on its own Triton path). Serving-step rows (config serving,
 # kda_bench/serving): fla_ms and flashkda_ms gather, call and scatter; kda_opt_ms reads and writes the
@@ -415,7 +443,7 @@ def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
 # kda_opt_ckpt_every_ms / ckpt_every_cost_pct (FlashKDA's configuration with a state): the call with
 # fp32 V-first checkpoints every CHECKPOINT_EVERY tokens, and what they add.
 CSV_FIELDS = ["B", "T", "H", "K", "V", "mode", "varlen", "config", "initial_state", "decay", "dtype", "fla_ms",
-              "kda_opt_ms", "speedup", "kda_opt_no_state_ms", "state_cost_pct", "flashkda_ms",
+              "kda_opt_ms", "speedup", "kda_opt_no_state_ms", "state_cost_pct", "stage1_ms", "flashkda_ms",
               "speedup_vs_flashkda", "tbps", "tflops", "bytes_floor_pct", "flops_floor_pct", "fla_flash_kda",
               "kda_opt_dense_ms", "pool_cost_pct", "kda_opt_ckpt_ms", "ckpt_cost_pct", "kda_opt_ckpt_every_ms",
               "ckpt_every_cost_pct"]
@@ -424,7 +452,8 @@ ROW_KEY = ("B", "T", "H", "K", "mode", "varlen", "config", "initial_state", "dec
 # configuration, no initial state, A_log and dt_bias ~ 0.5·N(0, 1), FlashKDA not timed, FLA on its
 # Triton path (the CLI has set FLA_FLASH_KDA=0 since its first version), bf16 q, k and v.
 ROW_DEFAULTS = {"varlen": 0, "config": "default", "initial_state": 0, "decay": "0.5N(0,1)", "dtype": "bf16",
-                "kda_opt_no_state_ms": NOT_RUN, "state_cost_pct": NOT_RUN, "flashkda_ms": NOT_RUN,
+                "kda_opt_no_state_ms": NOT_RUN, "state_cost_pct": NOT_RUN, "stage1_ms": NOT_RUN,
+                "flashkda_ms": NOT_RUN,
                 "speedup_vs_flashkda": NOT_RUN, "fla_flash_kda": "0", "kda_opt_dense_ms": NOT_RUN,
                 "pool_cost_pct": NOT_RUN, "kda_opt_ckpt_ms": NOT_RUN, "ckpt_cost_pct": NOT_RUN,
                 "kda_opt_ckpt_every_ms": NOT_RUN, "ckpt_every_cost_pct": NOT_RUN}
