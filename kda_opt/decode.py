@@ -128,19 +128,18 @@ def decode(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial
     their last dimension dense. has_initial_state: [N] bool, zeros where false (kda_forward's)."""
     o = torch.empty_like(v) if out is None else out
     stand_in = q                       # a pointer for absent arrays, never dereferenced
-    by_column = indices if indices is None or indices.dim() == 2 else indices.view(-1, 1)   # [N, COLUMNS]
     # decode_kernel's parameters in order (a decode step's host time is mostly its launch's).
     triton_launch(
         decode_kernel, (plan.N * plan.HV, plan.V // plan.block_v), kernels,
         q, k, v, g, beta, A_log, dt_bias, o,
         stand_in if initial_state is None else initial_state, stand_in if final_state is None else final_state,
-        cu_seqlens, by_column, accepted, has_initial_state,
+        cu_seqlens, indices, accepted, has_initial_state,
         plan.T, plan.slots, -1 if plan.pad_slot is None else plan.pad_slot, plan.scale,
         float(plan.gate.lower_bound or 0.0),
         q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), g.stride(1), g.stride(2),
         beta.stride(1), beta.stride(2), o.stride(1), o.stride(2),
         0 if initial_state is None else initial_state.stride(0), 0 if final_state is None else final_state.stride(0),
-        0 if by_column is None else by_column.stride(0),
+        0 if indices is None else indices.stride(0),      # [N] indices: one column, row n at n · stride
         plan.H, plan.HV, plan.K, plan.V, plan.block_v, gate_mode(plan.gate), A_log is not None, dt_bias is not None,
         plan.l2norm, plan.beta_sigmoid or 0.0, plan.state_v_first, plan.packed, plan.read, plan.write, plan.columns,
         accepted is not None, plan.pad_slot is not None, has_initial_state is not None, plan.single,
