@@ -72,8 +72,8 @@ BC: tl.constexpr = tl.constexpr(CHUNK // 4)  # sub-chunk: rows in four blocks of
 SHIFT: tl.constexpr = tl.constexpr(0.5 * (CHUNK // 4 - 1) * 5.0 / math.log(2.0))
 L2_EPS: tl.constexpr = tl.constexpr(L2NORM_EPS)
 # Channels per slab and warps per chunk (module docstring, "Registers"): the fastest pair tried at the
-# default shape in both calls and with the softplus gate, bf16 and fp16, K = 64 and 128; fp32 inputs
-# (twice the bytes per operand) take twice the warps (scripts/bench_stages.py --intra-warps).
+# default shape in both calls and with the softplus gate, bf16 and fp16, K = 64 and 128; for fp32 inputs
+# the faster of 4 and 8 warps (scripts/bench_stages.py --intra-warps).
 CHANNEL_SLAB = 64
 NUM_WARPS = 2
 FP32_WARPS = 4
