@@ -63,7 +63,6 @@ def graph_ms(f, calls=1, cold=False):
     cold: each call after a write of twice the L2 cache (so no call finds its data there, as
     do_bench's calls do not), that write's own time in a graph subtracted."""
     from triton.testing import do_bench
-    flush = torch.empty(2 * torch.cuda.get_device_properties().L2_cache_size, dtype=torch.uint8, device="cuda")
 
     def replayed(step):
         side = torch.cuda.Stream()
@@ -78,6 +77,7 @@ def graph_ms(f, calls=1, cold=False):
         return do_bench(graph.replay, return_mode="median") / calls
     if not cold:
         return replayed(f)
+    flush = torch.empty(2 * torch.cuda.get_device_properties().L2_cache_size, dtype=torch.uint8, device="cuda")
     return replayed(lambda: (flush.zero_(), f())) - replayed(flush.zero_)
 
 
