@@ -320,7 +320,14 @@ def _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, bos, i_h, i_
             _store_rows(O, o, tok, valid, i_hv, i_v * BV, BV)
     else:
         # Rows past T (tail chunk) load as zeros, so they add nothing; the O store drops them.
-        q = ct.load(Q, index=(i_b, i_t, i_h, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
+        if Q.dtype == F32:
+            # fp32 inputs: q by plain loads, not a TMA box. Staged in shared memory beside k, Γ, Tm and
+            # Aqk it leaves no room for the products' operands, and every product falls back from
+            # wgmma to mma.sync (sm_90 cubins: tests/test_wuso.py).
+            q = ct.load(Q, index=(i_b, i_t, i_h, 0), shape=(1, C, 1, K), padding_mode=ZERO,
+                        allow_tma=False).reshape((C, K))
+        else:
+            q = ct.load(Q, index=(i_b, i_t, i_h, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
         k = ct.load(Kx, index=(i_b, i_t, i_h, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
         g = ct.load(G, index=(i_b, i_t, i_hv, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
         if TRANSITION:

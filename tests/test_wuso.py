@@ -179,6 +179,16 @@ def test_initial_state_costs_no_resources(call):
     assert with_state[0] <= without[0] and with_state[1] <= without[1], (with_state, without)
 
 
+@pytest.mark.parametrize("call", [dict(), dict(K=64), dict(state_v_first=True)])
+def test_fp32_products_take_wgmma(call):
+    """fp32 inputs (tf32 products, at the launcher's BV): every product on wgmma, no stack. With q
+    staged by TMA beside the other tiles, all of them compiled to mma.sync with 104 B of stack."""
+    K = call.pop("K", 128)
+    binary = cubin(torch.float32, K, True, True, **call)
+    sass = cuobjdump(binary, "-sass")
+    assert resources(binary)[1] == 0 and "HGMMA" in sass and "HMMA" not in sass
+
+
 @pytest.mark.parametrize("call", [
     dict(checkpoints=torch.float32), dict(checkpoints=torch.bfloat16), dict(checkpoints=torch.float32, block_v=64),
     dict(checkpoints=torch.float32, state_v_first=True), dict(checkpoints=torch.float32, state_v_first=True, block_v=32),
