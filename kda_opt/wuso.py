@@ -320,16 +320,16 @@ def _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, bos, i_h, i_
             _store_rows(O, o, tok, valid, i_hv, i_v * BV, BV)
     else:
         # Rows past T (tail chunk) load as zeros, so they add nothing; the O store drops them.
-        if Q.dtype == F32:
-            # fp32 inputs: q by plain loads, not a TMA box. Staged in shared memory beside k, Γ, Tm and
-            # Aqk it leaves no room for the products' operands, and every product falls back from
-            # wgmma to mma.sync (sm_90 cubins: tests/test_wuso.py).
-            q = ct.load(Q, index=(i_b, i_t, i_h, 0), shape=(1, C, 1, K), padding_mode=ZERO,
-                        allow_tma=False).reshape((C, K))
-        else:
-            q = ct.load(Q, index=(i_b, i_t, i_h, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
-        k = ct.load(Kx, index=(i_b, i_t, i_h, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
-        g = ct.load(G, index=(i_b, i_t, i_hv, 0), shape=(1, C, 1, K), padding_mode=ZERO).reshape((C, K))
+        # fp32 inputs: q, k and Γ by plain loads, not TMA boxes. Staged in shared memory beside Tm and
+        # Aqk they leave no room for the products' operands, and every product falls back from wgmma
+        # to mma.sync, with kilobytes of stack at the wider V blocks (sm_90 cubins: tests/test_wuso.py).
+        tma = Q.dtype != F32
+        q = ct.load(Q, index=(i_b, i_t, i_h, 0), shape=(1, C, 1, K), padding_mode=ZERO,
+                    allow_tma=tma).reshape((C, K))
+        k = ct.load(Kx, index=(i_b, i_t, i_h, 0), shape=(1, C, 1, K), padding_mode=ZERO,
+                    allow_tma=tma).reshape((C, K))
+        g = ct.load(G, index=(i_b, i_t, i_hv, 0), shape=(1, C, 1, K), padding_mode=ZERO,
+                    allow_tma=tma).reshape((C, K))
         if TRANSITION:
             v = ct.zeros((C, BV), dtype=F32)
         else:
@@ -458,11 +458,10 @@ def block_v_for(programs: int, V: int, sms: int, dtype: torch.dtype) -> int:
     """BV for `programs` = N·HV (sequence, value head) pairs: the narrowest block whose grid still
     fits one wave of one CTA per SM (narrower blocks shorten each CTA's products), else the widest
     (the exp2 work of the chunk, repeated per V block, then dominates)."""
-    fits = [bv for bv in BLOCK_V_CHOICES if bv <= V and V % bv == 0]
-    if dtype == torch.float32:
-        # fp32 inputs: tf32 mma.sync products (no wgmma), whose registers spill a little at the
-        # narrowest block and kilobytes at the wider ones (sm_90 cubins).
-        return fits[0]
+    # fp32 inputs: at most 64 columns. At 128 the tf32 products take about 240 registers, not 168, and the
+    # default shape's stage 4 ran slower than at 64 (docs/DESIGN.md, "fp32 inputs").
+    widest = 64 if dtype == torch.float32 else V
+    fits = [bv for bv in BLOCK_V_CHOICES if bv <= min(V, widest) and V % bv == 0]
     return next((bv for bv in fits if programs * (V // bv) <= sms), fits[-1])
 
 

@@ -179,10 +179,11 @@ def test_initial_state_costs_no_resources(call):
     assert with_state[0] <= without[0] and with_state[1] <= without[1], (with_state, without)
 
 
-@pytest.mark.parametrize("call", [dict(), dict(K=64), dict(state_v_first=True)])
+@pytest.mark.parametrize("call", [dict(), dict(K=64), dict(state_v_first=True), dict(block_v=32), dict(block_v=128)])
 def test_fp32_products_take_wgmma(call):
-    """fp32 inputs (tf32 products, at the launcher's BV): every product on wgmma, no stack. With q
-    staged by TMA beside the other tiles, all of them compiled to mma.sync with 104 B of stack."""
+    """fp32 inputs (tf32 products; at the launcher's BV unless given): every product on wgmma, no
+    stack. With q, k and Γ staged by TMA beside the other tiles they compiled to mma.sync with 104 B
+    of stack at 32 columns; with q alone by plain loads, to mma.sync with 1.1–2.4 KB at 64 and 128."""
     K = call.pop("K", 128)
     binary = cubin(torch.float32, K, True, True, **call)
     sass = cuobjdump(binary, "-sass")
@@ -257,7 +258,8 @@ def test_block_v_fills_one_wave():
     assert block_v_for(16, 128, H100_SMS, torch.bfloat16) == 32     # 64 programs
     assert block_v_for(256, 128, H100_SMS, torch.bfloat16) == 128   # two waves at any width
     assert block_v_for(96, 64, H100_SMS, torch.bfloat16) == 64
-    assert block_v_for(96, 128, H100_SMS, torch.float32) == 32
+    assert block_v_for(96, 128, H100_SMS, torch.float32) == 64     # at most 64 columns in fp32
+    assert block_v_for(16, 128, H100_SMS, torch.float32) == 32
 
 
 
