@@ -59,7 +59,7 @@ class Tuning:
     parallel_tokens: int = 2048   # parallel segments: at least this many tokens each
     short_sequences: bool = True  # packed: a sequence of one chunk read by element offsets, not views
     route_decodes: bool = False   # packed, one pass: sequences of one token through kda_opt/decode (not
-                                  # yet the default: measured on one mixed step, docs/DESIGN.md "Decode")
+                                  # yet the default: docs/DESIGN.md "Decode" says what it waits on)
 
 
 @dataclass(frozen=True)
