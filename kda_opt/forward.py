@@ -71,7 +71,9 @@ def kda_forward(
     ``S ← Diag(exp a_t) S``, ``S ← S + β_t k_t (v_t − k_tᵀ S)ᵀ``, ``o_t = (scale · q_t)ᵀ S``.
 
     Args:
-        q, k: ``[B, T, H, K]`` queries and keys, bf16 / fp16 / fp32 (q, k, v of one dtype).
+        q, k: ``[B, T, H, K]`` queries and keys, bf16 / fp16 / fp32 (q, k, v of one dtype). The
+            matrix products take 16-bit operands, or tf32 ones for fp32 inputs, with fp32
+            accumulation; the state is fp32 throughout.
         v: ``[B, T, HV, V]`` values; ``HV`` a multiple of ``H`` (grouped value heads: value head
             ``h`` reads q/k head ``h // (HV / H)``).
         g: ``[B, T, HV, K]`` gate, any float dtype: the raw gate if ``use_gate_in_kernel``, else
