@@ -73,7 +73,7 @@ def kda_forward(
     Args:
         q, k: ``[B, T, H, K]`` queries and keys, bf16 / fp16 / fp32 (q, k, v of one dtype). The
             matrix products take 16-bit operands, or tf32 ones for fp32 inputs, with fp32
-            accumulation; the state is fp32 throughout.
+            accumulation; the state is carried in fp32 (a 16-bit pool or checkpoint stores it rounded).
         v: ``[B, T, HV, V]`` values; ``HV`` a multiple of ``H`` (grouped value heads: value head
             ``h`` reads q/k head ``h // (HV / H)``).
         g: ``[B, T, HV, K]`` gate, any float dtype: the raw gate if ``use_gate_in_kernel``, else
