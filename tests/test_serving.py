@@ -586,10 +586,9 @@ def test_padded_prefill_leaves_live_rows_as_unpadded(pad):
     pool = torch.randn(9, 2, 128, 128, device="cuda")
     live_slots, pad_slot = [3, 7, 1, 5], (-1 if pad == "negative slots" else 0)
     slots = torch.tensor(live_slots[:2] + [pad_slot] * 2 + live_slots[2:] + [pad_slot], device="cuda")
-    tuning = Tuning(block_v=64)     # one V block for both calls, whatever their programs' count
     padded = {**args, "initial_state": pool.clone(), "initial_state_indices": slots, "output_final_state": False,
               "initial_state_indices_cpu": slots.cpu(), **({"pad_slot": 0} if pad_slot == 0 else {})}
-    o, _ = run(make_plan(**padded, tuning=tuning), **{n: padded.get(n) for n in RUN_TENSORS})
+    o, _ = tuned(padded)
     starts = [0, *torch.tensor(lens).cumsum(0).tolist()]
     keep = [n for n in range(len(lens)) if slots[n] != pad_slot]
     tokens = [t for n in keep for t in range(starts[n], starts[n + 1])]
@@ -597,7 +596,7 @@ def test_padded_prefill_leaves_live_rows_as_unpadded(pad):
              "cu_seqlens": torch.tensor([0, *live_lens], device="cuda").cumsum(0),
              "cu_seqlens_cpu": torch.tensor([0, *live_lens]).cumsum(0), "initial_state": pool.clone(),
              "initial_state_indices": torch.tensor(live_slots, device="cuda"), "output_final_state": False}
-    o_alone, _ = run(make_plan(**alone, tuning=tuning), **{n: alone.get(n) for n in RUN_TENSORS})
+    o_alone, _ = tuned(alone)
     assert torch.equal(o[:, tokens], o_alone)
     assert torch.equal(padded["initial_state"], alone["initial_state"])     # live rows alike, every other row untouched
     untouched = [r for r in range(9) if r not in live_slots]
