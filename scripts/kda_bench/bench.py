@@ -361,6 +361,8 @@ def kernel_ms(f, name, calls=3):
             f()
         torch.cuda.synchronize()
     return sum(e.device_time_total for e in p.key_averages() if e.key.startswith(name)) / calls / 1e3
+
+
 CHECKPOINT_EVERY = 512  # tokens between the checkpoints FlashKDA's-configuration rows also time (8 chunks)
 
 
