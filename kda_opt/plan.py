@@ -58,8 +58,7 @@ class Tuning:
                                   # None: where it pays, True: wherever it applies, False: never
     parallel_tokens: int = 2048   # parallel segments: at least this many tokens each
     short_sequences: bool = True  # packed: a sequence of one chunk read by element offsets, not views
-    route_decodes: bool = False   # packed, one pass: sequences of one token through kda_opt/decode (not
-                                  # yet the default: docs/DESIGN.md "Decode" says what it waits on)
+    route_decodes: bool = True    # packed, one pass: sequences of one token through kda_opt/decode
 
 
 @dataclass(frozen=True)

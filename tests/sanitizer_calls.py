@@ -25,7 +25,7 @@ H, K = 2, 128
 MIXED = [1, 63, 64, 65, 7, 130, 0, 200]      # short and long packed sequences, an empty one
 TIME_SEGMENTS = Tuning(segment_tokens=128)
 PARALLEL = Tuning(parallel=True, parallel_tokens=128)
-ROUTED = Tuning(route_decodes=True)
+ON_STAGE4 = Tuning(route_decodes=False)
 
 
 def pool_call(lens, slots, rows, v_first=False, dtype=torch.float32, has=None, **call):
@@ -95,8 +95,8 @@ CALLS = {
     "grouped value heads": lambda: kda_forward(**random_inputs(1, 200, H, K, HV=2 * H, initial_state=True)),
     "K = V = 64, packed": lambda: kda_forward(**random_inputs(1, sum(MIXED), H, 64, seqlens=MIXED,
                                                               initial_state=True, gate="softplus")),
-    "packed mixed, one-token sequences through the decode kernel": lambda: run_tuned(pool_call(
-        MIXED, [5, -1, 0, 9, 2, 3, 1, -1], 6, has=[True, True, False, True, True, True, False, True]), ROUTED),
+    "packed mixed, one-token sequences on stage 4": lambda: run_tuned(pool_call(
+        MIXED, [5, -1, 0, 9, 2, 3, 1, -1], 6, has=[True, True, False, True, True, True, False, True]), ON_STAGE4),
     "decode, a pool with −1, past-the-pool and pad slots": lambda: kda_decode(**decode_call(
         [1] * 6, torch.tensor([5, -1, 0, 9, 2, 0]), 6, pad_slot=0)),
     "decode, dense states, final states": lambda: kda_decode(**{

@@ -311,12 +311,14 @@ def mixed_call(pool=True, **call):
 def test_plan_routes_only_packed_one_pass_calls():
     """The prefill plan holds a DecodePlan for its one-token sequences where the call is packed, has
     no checkpoints and the tuning asks; it reads and writes where stage 4 would."""
+    from kda_bench.inputs import random_inputs
     from kda_opt.plan import Tuning, make_plan
-    routed = Tuning(route_decodes=True)
+    routed = Tuning()
     args, _ = mixed_call()
     plan = make_plan(**args, tuning=routed).decode
     assert (plan.single, plan.read, plan.write, plan.slots, plan.packed) == (True, 2, 2, 20, True)
-    assert make_plan(**args).decode is None
+    assert make_plan(**args, tuning=Tuning(route_decodes=False)).decode is None
+    assert make_plan(**random_inputs(3, 1, 2, 128, initial_state=True)).decode is None   # dense: stage 4
     dense, _ = mixed_call(pool=False)
     assert (make_plan(**dense, tuning=routed).decode.read, make_plan(**dense, tuning=routed).decode.write) == (1, 1)
     ckpt = torch.zeros(1, 16, 2, 128, 128, device="cuda")
@@ -334,8 +336,8 @@ def test_routed_decodes_equal_kda_decode(pool):
     args, lens = mixed_call(pool=pool)
     original = args["initial_state"].clone()
     plain_args = {**args, "initial_state": args["initial_state"].clone()}
-    o_plain, s_plain = run_tuned(plain_args, Tuning())
-    o, s = run_tuned(args, Tuning(route_decodes=True))
+    o_plain, s_plain = run_tuned(plain_args, Tuning(route_decodes=False))
+    o, s = run_tuned(args, Tuning())
     starts = torch.tensor([0, *lens]).cumsum(0)[:-1]
     ones = [n for n, length in enumerate(lens) if length == 1]
     tokens = starts[ones].tolist()

@@ -104,9 +104,10 @@ def pack(args, lens):
 
 def assert_each_alone(args, lens, o, s):
     """o and the final states s of a packed call are what each sequence gives run alone through
-    kda_forward (the same chunks: rounding apart, the same numbers)."""
+    kda_forward, packed on its own so that it takes the same path (a sequence of one token: the
+    decode kernel; any other: the same chunks, rounding apart the same numbers)."""
     for n, (a, b, one) in enumerate(pack(args, lens)):
-        o1, s1 = kda_forward(**one)
+        o1, s1 = kda_forward(**one, cu_seqlens=torch.tensor([0, b - a], device=o.device))
         assert rel_err(o[:, a:b], o1) < 2e-3 and rel_err(s[n:n + 1], s1) < 1e-4, n
 
 
@@ -276,13 +277,18 @@ def test_forward_state_v_first(state_dtype, seqlens):
     B = 1 if seqlens else 2
     args = random_inputs(B, 1000, 2, 128, V=64, HV=4, initial_state=True, seqlens=seqlens, seed=22)
     args["initial_state"] = args["initial_state"].to(state_dtype)
-    o, s = kda_forward(**args)
+    # Stage 4 for every sequence: the decode kernel that takes a packed call's one-token sequences
+    # reduces in another order per layout (tests/test_decode.py holds its layouts to the floor).
+    tuning = Tuning(route_decodes=False)
+    o, s = run_tuned(args, tuning)
     h0_t = args["initial_state"].transpose(-1, -2).contiguous()
-    o_t, s_t = kda_forward(**{**args, "initial_state": h0_t}, state_v_first=True)
+    o_t, s_t = run_tuned({**args, "initial_state": h0_t, "state_v_first": True}, tuning)
     assert s_t.shape == (s.shape[0], 4, 64, 128) and s_t.dtype == torch.float32
     assert torch.equal(o_t, o) and torch.equal(s_t.transpose(-1, -2), s)
     ref_o, ref_s = reference_forward(**args, method="chunked")
-    assert rel_err(o, ref_o) <= ERROR_FLOOR and rel_err(s, ref_s) <= ERROR_FLOOR
+    for o, s in (o, s), kda_forward(**{**args, "initial_state": h0_t}, state_v_first=True):
+        s = s.transpose(-1, -2) if s.shape[-1] == 128 else s
+        assert rel_err(o, ref_o) <= ERROR_FLOOR and rel_err(s, ref_s) <= ERROR_FLOOR
 
 
 @gpu
@@ -409,7 +415,7 @@ def test_compiled_launches_match_the_jit(call):
     """After a plan's first call its Triton kernels launch through their compiled handles: every
     Triton kernel of the call is in the table, and the numbers are the JIT's bit for bit (time
     segments: one gate and one intra handle serve segments of different lengths)."""
-    from kda_opt import gate, intra, seqs
+    from kda_opt import decode, gate, intra, seqs
     tuning = Tuning(segment_tokens=128) if call == "time segments" else Tuning()
     args = {"default": lambda: random_inputs(1, 1000, 4, 128, initial_state=True),
             "flashkda packed": lambda: random_inputs(1, 777, 4, 128, seqlens=[1, 63, 64, 65, 584], l2norm=True,
@@ -422,7 +428,7 @@ def test_compiled_launches_match_the_jit(call):
     run(plan, **tensors, kernels=kernels)
     expected = {gate.gate_cumsum_kernel, intra.intra_chunk_kernel}
     if plan.packed:
-        expected |= {seqs.chunk_offsets_kernel, seqs.chunk_indices_kernel}
+        expected |= {seqs.chunk_offsets_kernel, seqs.chunk_indices_kernel, decode.decode_kernel}
     assert set(kernels) == expected
     o, s = run(plan, **tensors, kernels=kernels)
     assert torch.equal(o, o_jit) and torch.equal(s, s_jit)

@@ -8,8 +8,9 @@ server makes between prefills, by each system the way it makes them.
     verify   N requests of T tokens, the state after each token to its own slot ([N, T] indices,
              num_accepted_tokens): kda_decode against FLA's kernel with the same indices
     mixed    D decodes packed with a few prefills in one call (vLLM's Kimi layer sends a batch that
-             holds a prefill through the prefill call): kda_forward with the pool, and with its
-             one-token sequences routed to the decode kernel (Tuning.route_decodes, kda_opt_routed_ms);
+             holds a prefill through the prefill call): kda_forward with the pool (its one-token sequences
+             through the decode kernel), and with them on stage 4 (Tuning(route_decodes=False),
+             kda_opt_stage4_ms);
              FLA's chunk_kda on the prefills plus its decode kernel on the decodes; FlashKDA's one
              prefill call
 Kimi's call: q/k L2 norm, β logits, safe gate (lower_bound −5), A_log = log U(1, 16), dt_bias; a V-first
@@ -31,7 +32,7 @@ VERIFY = [(64, 32, 4), (64, 32, 8), (256, 32, 4), (256, 32, 8)]          # (requ
 MIXED = [(256, (2048, 1024, 512), 32), (128, (4096,), 96)]             # (decodes, prefill lengths, H)
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FIELDS = ["mode", "requests", "H", "tokens_per_request", "prefill_tokens", "state_dtype", "kda_opt_ms", "fla_ms",
-          "flashkda_ms", "floor_ms", "pct_of_floor", "kda_opt_graph_ms", "kda_opt_host_ms", "kda_opt_routed_ms"]
+          "flashkda_ms", "floor_ms", "pct_of_floor", "kda_opt_graph_ms", "kda_opt_host_ms", "kda_opt_stage4_ms"]
 KIMI = dict(l2norm=True, beta_logits=True, state_v_first=True)
 GRAPH_CALLS = 20            # steps per CUDA graph in kda_opt_graph_ms (its time per step)
 
@@ -122,7 +123,7 @@ def mixed_runs(decodes, prefills, H, fla_chunk, fla_decode):
     from kda_opt.plan import Tuning
     args, pool, slots = serving_call(decodes, H, 1, prefills, "fp32")
     ours = {**args, "initial_state": pool, "initial_state_indices": slots, "output_final_state": False}
-    runs = {"kda_opt": lambda: kda_forward(**ours), "kda_opt_routed": planned_call(ours, Tuning(route_decodes=True))}
+    runs = {"kda_opt": lambda: kda_forward(**ours), "kda_opt_stage4": planned_call(ours, Tuning(route_decodes=False))}
     # FLA: its decode kernel on the decodes (pool in place), chunk_kda on the prefills (rows gathered).
     cu = args["cu_seqlens"]
     decode_part = {n: (x[:, :decodes] if n in ("q", "k", "v", "g", "beta") else x) for n, x in args.items()
@@ -164,7 +165,7 @@ def decode_rows(fla_chunk, out_dir, warmup=25, rep=100):
                    pct_of_floor=NOT_RUN if floor == NOT_RUN else 100 * floor / ms["kda_opt"],
                    kda_opt_graph_ms=host.graph_ms(runs["kda_opt"], GRAPH_CALLS, cold=True),
                    kda_opt_host_ms=host.host_ms({"kda_opt": runs["kda_opt"]})["kda_opt"],
-                   kda_opt_routed_ms=ms.get("kda_opt_routed", NOT_RUN))
+                   kda_opt_stage4_ms=ms.get("kda_opt_stage4", NOT_RUN))
         show(row)
         rows.append(row)
     write_rows(rows, out_dir, "decode", FIELDS)
