@@ -111,7 +111,9 @@ def kda_forward(
             1), sequence n being tokens ``cu_seqlens[n] .. cu_seqlens[n+1] − 1``, each with its own
             initial and final state; chunks never cross a sequence boundary. Its values must rise
             from 0 to T (lengths ≥ 0); they are read on the device only, so they are not checked
-            there (values that break this give wrong rows, never an access out of bounds).
+            there (values that break this give wrong rows, never an access out of bounds). A
+            sequence of one token (a mixed step's decode) runs the token recurrence itself, through
+            kda_decode's kernel, except in a call with checkpoints or parallel segments.
         cu_seqlens_cpu: the same values on the CPU (optional, as in FLA): then they are checked
             here, without a host-device synchronisation; one sequence (N = 1), known so to span
             all T tokens, runs as the fixed-length call of B = 1 does (a long one in time or
