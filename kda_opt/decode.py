@@ -128,6 +128,8 @@ def decode(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial
     their last dimension dense. has_initial_state: [N] bool, zeros where false (kda_forward's)."""
     o = torch.empty_like(v) if out is None else out
     stand_in = q                       # a pointer for absent arrays, never dereferenced
+    # One stride() per tensor (each stride(d) call costs more than the whole tuple).
+    sq, sk, sv, sg, sb, so = (x.stride() for x in (q, k, v, g, beta, o))
     # decode_kernel's parameters in order (a decode step's host time is mostly its launch's).
     triton_launch(
         decode_kernel, (plan.N * plan.HV, plan.V // plan.block_v), kernels,
@@ -136,8 +138,7 @@ def decode(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial
         cu_seqlens, indices, accepted, has_initial_state,
         plan.T, plan.slots, -1 if plan.pad_slot is None else plan.pad_slot, plan.scale,
         float(plan.gate.lower_bound or 0.0),
-        q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), g.stride(1), g.stride(2),
-        beta.stride(1), beta.stride(2), o.stride(1), o.stride(2),
+        sq[1], sq[2], sk[1], sk[2], sv[1], sv[2], sg[1], sg[2], sb[1], sb[2], so[1], so[2],
         0 if initial_state is None else initial_state.stride(0), 0 if final_state is None else final_state.stride(0),
         0 if indices is None else indices.stride(0),      # [N] indices: one column, row n at n · stride
         plan.H, plan.HV, plan.K, plan.V, plan.block_v, gate_mode(plan.gate), A_log is not None, dt_bias is not None,

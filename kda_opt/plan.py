@@ -9,11 +9,12 @@ decision, into one frozen value that kda_opt/forward runs; each stage takes the 
 kda_decode's plan: make_decode_plan → DecodePlan (what its kernel reads and writes, its V block).
 Tuning holds the launch knobs; kda_forward takes its defaults, tests and scripts/bench_stages.py pass
 others. kda_forward makes a call signature's plan once (plan_for): the signature holds everything the
-checks and the plan read (every tensor's shape, strides, dtype, device, requires_grad and 16-byte
-alignment, every option's value, the grad mode) but the host copies' values (cu_seqlens_cpu,
-initial_state_indices_cpu), which are checked on every call; a call whose signature was planned
-before has passed every check the plan made. Absent inputs are None in every signature of the
-package (the cuTile launch alone swaps in a stand-in, as cuTile takes arrays only: kda_opt/wuso).
+checks and the plan read (every tensor's shape, strides, dtype, device, 16-byte alignment and, in
+grad mode, requires_grad; every option's value; the grad mode) but the host copies' values
+(cu_seqlens_cpu, initial_state_indices_cpu), which are checked on every call; a call whose
+signature was planned before has passed every check the plan made. Absent inputs are None in every
+signature of the package (the cuTile launch alone swaps in a stand-in, as cuTile takes arrays only:
+kda_opt/wuso).
 
 Time segments. Stage 4 runs one program per (sequence, value head, V block) through the whole
 sequence, so where B·H is small most SMs idle through it ((1, 65536, 16): 64 programs on 132 SMs).
@@ -239,13 +240,15 @@ def _signature(arguments: dict, tensors=TENSOR_ARGUMENTS, options=OPTION_ARGUMEN
     values = tuple(arguments[name] for name in options)
     if not all(type(x) in _OPTION_TYPES for x in values):
         return None
-    key = [torch.is_grad_enabled(), values]
+    grad = torch.is_grad_enabled()
+    key = [grad, values]
     for name in tensors:
         x = arguments[name]
         if x is None:
             key.append(None)
         elif isinstance(x, torch.Tensor):
-            key.append((x.shape, x.stride(), x.dtype, x.device, x.requires_grad, x.data_ptr() % 16))
+            # requires_grad only where grad mode is on, the one mode whose checks read it.
+            key.append((x.shape, x.stride(), x.dtype, x.device, grad and x.requires_grad, x.data_ptr() % 16))
         else:
             return None
     return tuple(key)

@@ -281,12 +281,14 @@ def test_plan_cache_keys_on_the_whole_signature(planned, name):
 
 
 def test_plan_cache_grad_mode_and_warnings(planned):
-    """The grad mode is part of the signature (requires_grad is an error only with it on); a call
-    with the deprecated transpose_state_layout is planned, and so warned about, every time."""
+    """The grad mode is part of the signature, and requires_grad only with it on (where it is an
+    error); a call with the deprecated transpose_state_layout is planned, and so warned about,
+    every time."""
     plan_for, calls = planned
     plan_for()
     with torch.no_grad():
         plan_for()
+        plan_for(q=cpu_args()["q"].requires_grad_())
     plan_for(transpose_state_layout=True)
     plan_for(transpose_state_layout=True)
     assert len(calls) == 4
