@@ -266,6 +266,14 @@ def _packed_tiles(Q, Kx, Vx, G, TM, AQK, row0, n, i_h, i_hv, i_v, K: ConstInt, B
 
 
 @ct.function
+def _chunk_tile(A, i_b, i_t, head, col_block, C: ConstInt, W: ConstInt, tma: ConstBool):
+    """A [B, T, H, ·] array's tile [C, W] of chunk i_t (fixed length) at head `head`, column block
+    col_block of W columns: a TMA box where `tma`, else a plain load; zeros past T."""
+    return ct.load(A, index=(i_b, i_t, head, col_block), shape=(1, C, 1, W), padding_mode=ZERO,
+                   allow_tma=tma).reshape((C, W))
+
+
+@ct.function
 def _slice(A, row0, head, col0, R: ConstInt, W: ConstInt):
     """A [1, T, H, ·] array's tile [R, W] of rows row0 .. row0 + R − 1 at head `head`, columns col0 ..
     col0 + W − 1: one TMA box at element coordinates on the array's own descriptor (no view); zeros
@@ -324,18 +332,15 @@ def _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, bos, i_h, i_
         # Aqk they leave no room for the products' operands, and every product falls back from wgmma
         # to mma.sync, with kilobytes of stack at the wider V blocks (sm_90 cubins: tests/test_wuso.py).
         tma = Q.dtype != F32
-        q = ct.load(Q, index=(i_b, i_t, i_h, 0), shape=(1, C, 1, K), padding_mode=ZERO,
-                    allow_tma=tma).reshape((C, K))
-        k = ct.load(Kx, index=(i_b, i_t, i_h, 0), shape=(1, C, 1, K), padding_mode=ZERO,
-                    allow_tma=tma).reshape((C, K))
-        g = ct.load(G, index=(i_b, i_t, i_hv, 0), shape=(1, C, 1, K), padding_mode=ZERO,
-                    allow_tma=tma).reshape((C, K))
+        q = _chunk_tile(Q, i_b, i_t, i_h, 0, C, K, tma)
+        k = _chunk_tile(Kx, i_b, i_t, i_h, 0, C, K, tma)
+        g = _chunk_tile(G, i_b, i_t, i_hv, 0, C, K, tma)
         if TRANSITION:
             v = ct.zeros((C, BV), dtype=F32)
         else:
-            v = ct.load(Vx, index=(i_b, i_t, i_hv, i_v), shape=(1, C, 1, BV), padding_mode=ZERO).reshape((C, BV))
-        tm = ct.load(TM, index=(i_b, i_t, i_hv, 0), shape=(1, C, 1, C), padding_mode=ZERO).reshape((C, C))
-        aqk = ct.load(AQK, index=(i_b, i_t, i_hv, 0), shape=(1, C, 1, C), padding_mode=ZERO).reshape((C, C))
+            v = _chunk_tile(Vx, i_b, i_t, i_hv, i_v, C, BV, True)
+        tm = _chunk_tile(TM, i_b, i_t, i_hv, 0, C, C, True)
+        aqk = _chunk_tile(AQK, i_b, i_t, i_hv, 0, C, C, True)
         g_last = ct.load(G, index=(i_b, last, i_hv, 0), shape=(1, 1, 1, K)).reshape((1, K))
         o, v_new, k_dec_t, decay = _products(S, q, k, g, v, tm, aqk, g_last, RSTD, RB, (i_b, i_h, i_t),
                                              (i_b, i_hv, i_t), None, None, scale, dt, C, L2NORM, BETA_RESIDUAL,
