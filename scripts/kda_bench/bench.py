@@ -455,9 +455,8 @@ ROW_KEY = ("B", "T", "H", "K", "mode", "varlen", "config", "initial_state", "dec
 # Triton path (the CLI has set FLA_FLASH_KDA=0 since its first version), bf16 q, k and v.
 ROW_DEFAULTS = {"varlen": 0, "config": "default", "initial_state": 0, "decay": "0.5N(0,1)", "dtype": "bf16",
                 "kda_opt_no_state_ms": NOT_RUN, "state_cost_pct": NOT_RUN, "stage1_ms": NOT_RUN,
-                "flashkda_ms": NOT_RUN,
-                "speedup_vs_flashkda": NOT_RUN, "fla_flash_kda": "0", "kda_opt_dense_ms": NOT_RUN,
-                "pool_cost_pct": NOT_RUN, "kda_opt_ckpt_ms": NOT_RUN, "ckpt_cost_pct": NOT_RUN,
+                "flashkda_ms": NOT_RUN, "speedup_vs_flashkda": NOT_RUN, "fla_flash_kda": "0",
+                "kda_opt_dense_ms": NOT_RUN, "pool_cost_pct": NOT_RUN, "kda_opt_ckpt_ms": NOT_RUN, "ckpt_cost_pct": NOT_RUN,
                 "kda_opt_ckpt_every_ms": NOT_RUN, "ckpt_every_cost_pct": NOT_RUN}
 
 
