@@ -241,7 +241,7 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
         if plan.checkpoint_offsets or not plan.parallel and len(plan.segments) > 1:
             raise ValueError("stages 1–3 computed before serve calls of one time segment, without checkpoint "
                              "offsets")
-        prepare = lambda *_: made
+        prepare = lambda *_, **__: made
     stage4 = functools.partial(launch, "wuso", wuso, scale=plan.scale, block_v=plan.block_v,
                                state_v_first=plan.state_v_first, worker_warps=plan.worker_warps,
                                checkpoint_every=plan.checkpoint_every // CHUNK,
@@ -262,7 +262,7 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
         elif (cut := packed_pieces(plan, cu_seqlens_cpu)) is not None:
             o = parallel_packed(plan, q, k, v, g, beta, seqs, state, checkpoints, prepare, stage4, *cut)
         elif len(plan.segments) == 1:
-            gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, seqs)
+            gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, seqs, skip_single=plan.decode is not None)
             o = stage4(q, k, v, gcum, Tm, Aqk, **state, checkpoints=checkpoints,
                        checkpoint_rows=rows if rows is not None else _checkpoint_rows(plan, checkpoints, seqs, kernels),
                        checkpoint_first=checkpoint_offsets, cu_seqlens=cu_seqlens, qk_rstd=rstd, beta_residual=r,
@@ -345,15 +345,16 @@ def _checkpoint_rows(plan: Plan, checkpoints, seqs, kernels):
     return block_offsets(seqs.cu_seqlens, plan.T, plan.checkpoint_every, kernels)
 
 
-def _stages_1_to_3(plan: Plan, launch, kernels, q, k, g, beta, seqs=None, *, A_log, dt_bias):
+def _stages_1_to_3(plan: Plan, launch, kernels, q, k, g, beta, seqs=None, *, A_log, dt_bias, skip_single=False):
     """Stages 1–3 over q, k, g, beta [B, T, ...] (seqs: their layout; None: B sequences of T tokens):
     Γ, Aqk, Tm, β's residual r [B, HV, T] (plan.beta_residual, else None) and the q/k norms
-    [2, B, H, T] (plan.l2norm, else None)."""
+    [2, B, H, T] (plan.l2norm, else None); with skip_single none of them for packed sequences of one
+    token (plan.decode computes those)."""
     B, T, H, _ = q.shape
     r = q.new_empty((B, plan.HV, T), dtype=torch.float32) if plan.beta_residual else None
     rstd = q.new_empty((2, B, H, T), dtype=torch.float32) if plan.l2norm else None   # 1 / ‖q‖, 1 / ‖k‖
-    gcum = launch("gate", gate_cumsum, g, plan.gate, A_log, dt_bias, seqs, kernels=kernels)
+    gcum = launch("gate", gate_cumsum, g, plan.gate, A_log, dt_bias, seqs, skip_single=skip_single, kernels=kernels)
     Aqk, Tm = launch("intra", intra_chunk, q, k, gcum, beta, plan.scale, gate_bounded=plan.gate.bounded,
                      seqs=seqs, l2norm=plan.l2norm, beta_sigmoid=plan.beta_sigmoid, beta_residual=r, qk_rstd=rstd,
-                     num_warps=plan.intra_warps, kernels=kernels)
+                     num_warps=plan.intra_warps, skip_single=skip_single, kernels=kernels)
     return gcum, Aqk, Tm, r, rstd

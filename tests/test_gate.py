@@ -77,6 +77,23 @@ def test_gate_packed_sequences(lens, mode):
     assert rel_err(out, expected) < 1e-6
 
 
+def test_gate_skips_single_token_sequences(monkeypatch):
+    """skip_single (a plan that routes one-token sequences to kda_opt/decode): those sequences' rows
+    are not written (NaN where the buffer starts as NaN), every other row as without it, bit for bit."""
+    lens, HV, K = [1, 63, 1, 65, 1, 3], 2, 32
+    T, dev = sum(lens), kernel_device()
+    g = (3 * torch.randn(1, T, HV, K, generator=torch.Generator().manual_seed(3))).to(dev)
+    seqs = packed(torch.tensor([0, *lens]).cumsum(0).to(dev), T)
+    gate = MODES["sigmoid"][0]
+    plain = gate_cumsum(g, gate, seqs=seqs)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+    skipped = gate_cumsum(g, gate, seqs=seqs, skip_single=True)
+    single = torch.tensor([n == 1 for n in lens for _ in range(n)])
+    assert skipped[:, single].isnan().all() and not plain[:, single].isnan().any()
+    assert torch.equal(skipped[:, ~single], plain[:, ~single])
+
+
 @pytest.mark.parametrize("mode", ["softplus", "preactivated"])
 def test_gate_floor(mode):
     """A log-decay below LOG_DECAY_FLOOR (decay < 2^-24) counts as the floor: Γ falls by exactly 24

@@ -63,13 +63,20 @@ def assert_structure(Aqk, Tm, beta, T, lens=None):
     assert ((diag - beta).abs() <= torch.finfo(Tm.dtype).eps * beta).all()
 
 
+def packed_gamma(x, lens):
+    """cu_seqlens of `lens`, the (start, end) of each non-empty sequence, and Γ of x's log-decay
+    restarted at each one's first token, as stage 1 writes it."""
+    cu = torch.tensor([0, *lens]).cumsum(0)
+    bounds = [(a, b) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()) if b > a]
+    gcum = (torch.cat([ref.chunk_cumsum(x["a"][:, a:b]) for a, b in bounds], dim=1) / math.log(2.0)).float()
+    return cu, bounds, gcum
+
+
 def run_packed(x, lens, scale, l2norm=False):
     """Sequences of `lens` packed along x's T (B = 1), Γ restarted at each one's first token: the
     kernel's Aqk and Tm, and the reference's, sequence by sequence (q, k L2-normalised if asked; the
     norms the kernel writes then checked here)."""
-    cu = torch.tensor([0, *lens]).cumsum(0)
-    bounds = [(a, b) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()) if b > a]
-    gcum = (torch.cat([ref.chunk_cumsum(x["a"][:, a:b]) for a, b in bounds], dim=1) / math.log(2.0)).float()
+    cu, bounds, gcum = packed_gamma(x, lens)
     q, k, beta = x["q"], x["k"], x["beta"]
     norms = torch.full((2, q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device) if l2norm else None
     Aqk, Tm = intra_chunk(q, k, gcum, beta, scale, gate_bounded=x["bounded"], l2norm=l2norm,
@@ -97,6 +104,26 @@ def test_intra_packed_sequences(lens, gate, l2norm):
     assert rel_err(Aqk, rAqk) < 2e-6
     assert rel_err(Tm, rTm) < 2e-6
     assert_structure(Aqk, Tm, x["beta"], sum(lens), lens)
+
+
+def test_intra_skips_single_token_sequences():
+    """skip_single (a plan that routes one-token sequences to kda_opt/decode): their q/k norms are not
+    written (NaN where the buffer starts as NaN), and every other row of Aqk, Tm and the norms is as
+    without it, bit for bit."""
+    lens = [1, 63, 1, 65, 1, 3]
+    x = stage_inputs(1, sum(lens), 1, 64, HV=2, gate="safe", device=kernel_device(), seed=4)
+    cu, _, gcum = packed_gamma(x, lens)
+    seqs = packed(cu.to(kernel_device()), sum(lens))
+    single = torch.tensor([n == 1 for n in lens for _ in range(n)])
+    outs = []
+    for skip in (False, True):
+        norms = torch.full((2, 1, 1, sum(lens)), float("nan"), device=kernel_device())
+        Aqk, Tm = intra_chunk(x["q"], x["k"], gcum, x["beta"], 0.125, gate_bounded=True, l2norm=True, seqs=seqs,
+                              qk_rstd=norms, skip_single=skip)
+        outs.append((Aqk[:, ~single], Tm[:, ~single], norms[..., ~single], norms[..., single]))
+    (Aqk, Tm, rest, ones), (sAqk, sTm, s_rest, s_ones) = outs
+    assert torch.equal(sAqk, Aqk) and torch.equal(sTm, Tm) and torch.equal(s_rest, rest)
+    assert not ones.isnan().any() and s_ones.isnan().all()
 
 
 def test_intra_l2norm():
