@@ -7,6 +7,7 @@ Pipeline) launched on the current stream.
                                               inverse Tm = (I + Akk)⁻¹ Diag(β) in one kernel;
                                               β's residual r where β is not a 16-bit number,
                                               q/k norms for l2norm)
+    order    = longest_first(cu_seqlens)      packed, stage 4 in waves: its programs' order (kda_opt/seqs)
     o, S     = wuso(q, k, v, Γ, Tm, Aqk, S0)  stage 4, cuTile   (kda_opt/wuso)
 The call's plan is made once per call signature (kda_opt/plan.plan_for), with a table of its compiled
 Triton kernels, launched without the JIT's per-call work (kda_opt/launch). Each stage runs through
@@ -30,7 +31,7 @@ from .launch import Kernels, annotated, direct, nvtx_enabled
 from .options import CHUNK
 from .plan import Plan, Tuning, make_plan, plan_for
 from .schedules import final_states, packed_pieces, parallel, parallel_packed, pipelined, units
-from .seqs import block_offsets, packed, phased
+from .seqs import block_offsets, longest_first, packed, phased
 from .wuso import wuso
 
 
@@ -263,7 +264,8 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
             o = parallel_packed(plan, q, k, v, g, beta, seqs, state, checkpoints, prepare, stage4, *cut)
         elif len(plan.segments) == 1:
             gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, seqs, skip_single=plan.decode is not None)
-            o = stage4(q, k, v, gcum, Tm, Aqk, **state, checkpoints=checkpoints,
+            order = launch("seqs", longest_first, cu_seqlens, plan.T, kernels) if plan.longest_first else None
+            o = stage4(q, k, v, gcum, Tm, Aqk, **state, checkpoints=checkpoints, order=order,
                        checkpoint_rows=rows if rows is not None else _checkpoint_rows(plan, checkpoints, seqs, kernels),
                        checkpoint_first=checkpoint_offsets, cu_seqlens=cu_seqlens, qk_rstd=rstd, beta_residual=r,
                        decoded=plan.decode is not None)

@@ -60,6 +60,8 @@ class Tuning:
     parallel_tokens: int = 2048   # parallel segments: at least this many tokens each
     short_sequences: bool = True  # packed: a sequence of one chunk read by element offsets, not views
     route_decodes: bool = True    # packed, one pass: sequences of one token through kda_opt/decode
+    longest_first: bool = True    # packed, one pass, more stage-4 programs than SMs: the longest sequences'
+                                  # programs first (kda_opt/seqs.longest_first)
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ class Plan(Sizes):
     parallel_cut: ParallelCut | None  # packed: long sequences cut into parallel segments on each call
     pad_slot: int | None          # a pool slot padding sequences name: read and written as a negative one
     short_sequences: bool         # packed: stage 4 reads a sequence of one chunk by element offsets
+    longest_first: bool           # packed, one pass: stage 4's programs by descending sequence length
     intra_warps: int
     worker_warps: int
     decode: "DecodePlan | None"   # packed: its sequences of one token through kda_opt/decode, stage 4 skipping them
@@ -163,6 +166,8 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                           tuning.block_v)
     block_v = tuning.block_v or block_v_for((len(parallel) - 1 if parallel else N) * HV, math.gcd(V, K) if parallel
                                             else V, sms, q.dtype)
+    segments = parallel or time_segments(T, N, N * HV * (V // block_v), sms, packed, tuning.segment_tokens,
+                                         tuning.max_segments, align)
     return Plan(
         B=B, T=T, H=H, K=K, HV=HV, V=V, N=N, dtype=q.dtype,
         scale=K ** -0.5 if scale is None else scale,
@@ -177,11 +182,14 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         copied=tuple(n for n, x in (("q", q), ("k", k), ("v", v), ("beta", beta)) if not _rows_readable(x)),
         block_v=block_v,
         checkpoint_every=checkpoint_every, checkpoint_offsets=checkpoint_offsets is not None,
-        segments=parallel or time_segments(T, N, N * HV * (V // block_v), sms, packed,
-                                           tuning.segment_tokens, tuning.max_segments, align),
-        parallel=parallel is not None, parallel_cut=cut, pad_slot=pad_slot,
+        segments=segments, parallel=parallel is not None, parallel_cut=cut, pad_slot=pad_slot,
         # (With checkpoint offsets a sequence of one chunk may be cut in two: stage 4's own launches.)
         short_sequences=packed and tuning.short_sequences and checkpoint_offsets is None,
+        # Ordered where stage 4 runs in waves: list scheduling longest first (the SMs take programs in
+        # grid order) ends its waves together, and a mixed step's prefills start before its decodes'
+        # empty programs.
+        longest_first=packed and tuning.longest_first and len(segments) == 1 and not parallel
+        and N * HV * (V // block_v) > sms,
         intra_warps=tuning.intra_warps or warps_for(q.dtype), worker_warps=tuning.worker_warps,
         decode=_routed_decodes(Sizes(B, T, H, K, HV, V, N), scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
                                lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, initial_state,

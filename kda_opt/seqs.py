@@ -7,7 +7,9 @@ A per-chunk grid has one slot per chunk. Packed, Σ cdiv(len_n, C) ≤ cdiv(T, C
 slots cover any lengths; chunk_indices [slots, 2] names each slot's (sequence, chunk in it), (−1, 0)
 for a spare one, and is built on the device from cu_seqlens by two small kernels (no host sync):
 offsets = [0, cumsum(cdiv(len_n, C))], then a binary search of offsets per slot (FLA builds the same
-table, prepare_chunk_indices, on the host). A per-sequence grid (stage 4) reads cu_seqlens directly.
+table, prepare_chunk_indices, on the host). A per-sequence grid (stage 4) reads cu_seqlens directly,
+optionally in the order longest_first gives: the sequences by descending chunk count, so that a grid
+of more programs than SMs starts its longest ones first (longest-processing-time-first list scheduling).
 """
 import functools
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from .launch import Kernels, triton_launch
 from .options import CHUNK
 
 BLOCK = 1024  # sequences per step of the offsets scan; slots per program of the index search
+RANK_BLOCK = 64  # sequences per program of longest_first, and per step of its comparisons
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,16 @@ def block_offsets(cu_seqlens: torch.Tensor, T: int, size: int, kernels: Kernels 
     return offsets
 
 
+def longest_first(cu_seqlens: torch.Tensor, T: int, kernels: Kernels | None = None) -> torch.Tensor:
+    """[N] int32 on the device: the packed sequences by descending chunk count cdiv(len_n, C), equal
+    counts in their own order (a stable sort). No host sync."""
+    N = cu_seqlens.shape[0] - 1
+    order = torch.empty(N, dtype=torch.int32, device=cu_seqlens.device)
+    triton_launch(longest_first_kernel, (-(-N // RANK_BLOCK),), kernels, cu_seqlens=cu_seqlens, order=order, N=N,
+                  T=T, C=CHUNK, BLOCK=RANK_BLOCK)
+    return order
+
+
 @triton.jit
 def _bounds(cu_seqlens, n, T):
     """First token and end of sequence n (vectors or scalars), clamped to 0 ≤ bos ≤ eos ≤ T: a
@@ -124,6 +137,25 @@ def chunk_indices_kernel(offsets, indices, N, slots, STEPS, BLOCK: tl.constexpr)
     m_s = o_s < slots
     tl.store(indices + 2 * o_s, tl.where(used, lo, -1), mask=m_s)
     tl.store(indices + 2 * o_s + 1, tl.where(used, o_s - tl.load(offsets + lo), 0), mask=m_s)
+
+
+@triton.jit
+def longest_first_kernel(cu_seqlens, order, N, T, C: tl.constexpr, BLOCK: tl.constexpr):
+    # Sequence n goes to position rank_n = #{m : c_m > c_n} + #{m < n : c_m = c_n} (c: chunk counts),
+    # counted against every m in blocks: O(N²) comparisons, spread over N / BLOCK programs.
+    o_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m_n = o_n < N
+    bos, eos = _bounds(cu_seqlens, tl.where(m_n, o_n, 0), T)
+    c_n = (eos - bos + C - 1) // C
+    rank = tl.zeros([BLOCK], dtype=tl.int32)
+    for m0 in range(0, N, BLOCK):
+        o_m = m0 + tl.arange(0, BLOCK)
+        m_m = o_m < N
+        bos_m, eos_m = _bounds(cu_seqlens, tl.where(m_m, o_m, 0), T)
+        c_m = tl.where(m_m, (eos_m - bos_m + C - 1) // C, -1)
+        ahead = (c_m[None, :] > c_n[:, None]) | ((c_m[None, :] == c_n[:, None]) & (o_m[None, :] < o_n[:, None]))
+        rank += tl.sum(ahead.to(tl.int32), axis=1)
+    tl.store(order + rank, o_n.to(tl.int32), mask=m_n)
 
 
 @triton.jit

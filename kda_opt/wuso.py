@@ -58,14 +58,17 @@ INT32_MAX = 2 ** 31 - 1     # the largest stride (in elements) of an array cuTil
 # (fla/ops/kda/wy_fast.py), chunk_gated_delta_rule_fwd_h (fla/ops/common/chunk_delta_h.py) and
 # chunk_gla_fwd_o_gk (fla/ops/gla/chunk.py); S never leaves the chip and W, U never exist.
 @ct.kernel(num_worker_warps=WORKER_WARPS)
-def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, SLOTS, MASK, CK, CK_ROW0, CK_FIRST, scale: float,
-                K: ConstInt, BV: ConstInt, C: ConstInt, HAS_S0: ConstBool, STORE_SF: ConstBool,
+def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, SLOTS, MASK, CK, CK_ROW0, CK_FIRST, ORDER,
+                scale: float, K: ConstInt, BV: ConstInt, C: ConstInt, HAS_S0: ConstBool, STORE_SF: ConstBool,
                 SPLIT_V: ConstBool, PACKED: ConstBool, L2NORM: ConstBool, V_FIRST: ConstBool,
                 BETA_RESIDUAL: ConstBool, READ_SLOTS: ConstBool, WRITE_SLOTS: ConstBool, HAS_MASK: ConstBool,
-                STORE_CK: ConstBool, CK_EVERY: ConstInt, TRANSITION: ConstBool, PHASED: ConstBool, SHORT: ConstInt):
+                STORE_CK: ConstBool, CK_EVERY: ConstInt, TRANSITION: ConstBool, PHASED: ConstBool,
+                ORDERED: ConstBool, SHORT: ConstInt):
     i_v, i_nh = ct.bid(0), ct.bid(1)
     H, HV = Q.shape[2], Vx.shape[2]
     i_n, i_hv = i_nh // HV, i_nh % HV                         # sequence, value head
+    if ORDERED:     # packed: the i_n-th longest sequence (ORDER, kda_opt/seqs.longest_first) first
+        i_n = ct.load(ORDER, index=(i_n,), shape=(1,)).item()
     i_h = i_hv // (HV // H)                                   # GVA: HV / H value heads per q/k head
     bos, eos = 0, Q.shape[1]
     if PACKED:
@@ -487,21 +490,22 @@ def _kernel(worker_warps: int):
 def launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, final_state, cu_seqlens=None,
                   qk_rstd=None, state_v_first=False, beta_residual=None, slots=None, read_slots=False,
                   write_slots=False, has_initial_state=None, checkpoints=None, checkpoint_rows=None,
-                  checkpoint_every=1, transition=False, sequences=EVERY_SEQUENCE, checkpoint_first=None):
+                  checkpoint_every=1, transition=False, sequences=EVERY_SEQUENCE, checkpoint_first=None,
+                  order=None):
     """(grid, kernel arguments) of one launch: the one place both the launcher and the export test
     (tests/test_wuso.py, on meta tensors) take the kernel's specialisation from. sequences: which
     packed sequences, or what of them, the launch computes (EVERY_SEQUENCE, LONG_ONLY, SHORT_ONLY,
-    HEADS). checkpoint_first: as wuso's (PHASED)."""
+    HEADS). checkpoint_first: as wuso's (PHASED). order: as wuso's, or None (grid order)."""
     B, _, HV, V = v.shape
     given = lambda x, ndim, dtype=torch.float32: _stand_in(v.device, ndim, dtype) if x is None else x
     args = (q, k, v, gcum, Tm, Aqk, given(beta_residual, 3), given(qk_rstd, 4), given(initial_state, 4), o,
             given(final_state, 4), given(cu_seqlens, 1, torch.int32), given(slots, 1, torch.int32),
             given(has_initial_state, 1, torch.bool), given(checkpoints, 5), given(checkpoint_rows, 1, torch.int32),
-            given(checkpoint_first, 1, torch.int32), float(scale),
+            given(checkpoint_first, 1, torch.int32), given(order, 1, torch.int32), float(scale),
             q.shape[-1], block_v, CHUNK, initial_state is not None, final_state is not None,
             q.dtype == torch.bfloat16, cu_seqlens is not None, qk_rstd is not None, state_v_first,
             beta_residual is not None, read_slots, write_slots, has_initial_state is not None, checkpoints is not None,
-            checkpoint_every, transition, checkpoint_first is not None, sequences)
+            checkpoint_every, transition, checkpoint_first is not None, order is not None, sequences)
     columns = q.shape[-1] if transition else V                # the transition's state is [K, K]
     if B == 1 and max(x.stride(0) for x in (q, k, v, gcum, o, checkpoints) if x is not None) > INT32_MAX:
         args = tuple(map(_int32_strides, args))     # the largest arrays' batch strides: the others' are smaller
@@ -523,7 +527,7 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
          checkpoint_rows=None, checkpoint_every: int = 1, checkpoint_first=None, cu_seqlens=None, qk_rstd=None,
          state_v_first: bool = False,
          beta_residual=None, transition: bool = False, short_sequences: bool = False, decoded: bool = False,
-         out=None, worker_warps: int = WORKER_WARPS):
+         order=None, out=None, worker_warps: int = WORKER_WARPS):
     """Stage 4 on the current stream: o [B, T, HV, V] (v's dtype), returned; the final states written
     into final_state. Inputs as in the module docstring, validated by kda_opt/plan (q, k, v may be
     views whose token rows are dense and evenly spaced); absent ones None; cu_seqlens [N + 1] packs
@@ -550,8 +554,10 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
     kda_opt/schedules' time segments), or None for a new one. short_sequences (packed): two launches, the
     sequences longer than a chunk and those of at most one chunk (_one_chunk), each skipping the
     other's; decoded: the short launch skips the sequences of one token (kda_opt/decode computes
-    them). worker_warps: the kernel's worker warps. A written pool or checkpoint buffer of one row
-    is written through a two-row copy (_two_rows)."""
+    them). order (packed): [N] int32, a permutation of the sequences (kda_opt/seqs.longest_first):
+    program i of the grid computes sequence order[i] (the short launch keeps the grid's order).
+    worker_warps: the kernel's worker warps. A written pool or checkpoint buffer of one row is
+    written through a two-row copy (_two_rows)."""
     o = v if transition else torch.empty_like(v) if out is None else out      # (transition: never written)
     pool = _two_rows(final_state, 0) if write_slots else final_state
     rows = _two_rows(checkpoints, 1)
@@ -566,15 +572,17 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
                                     checkpoint_every, False, HEADS, checkpoint_first)
         _, rest = launch_config(*common, heads, o, pool, cu_seqlens, qk_rstd, state_v_first, beta_residual, slots,
                                 False, write_slots, None, rows, checkpoint_rows, checkpoint_every, False,
-                                EVERY_SEQUENCE, checkpoint_first)
+                                EVERY_SEQUENCE, checkpoint_first, order)
         launches = (first, rest)
     else:
-        grid, args = launch_config(*common, initial_state, o, pool, cu_seqlens, qk_rstd, state_v_first,
+        config = functools.partial(launch_config, *common, initial_state, o, pool, cu_seqlens, qk_rstd, state_v_first,
                                    beta_residual, slots, read_slots, write_slots, has_initial_state, rows,
                                    checkpoint_rows, checkpoint_every, transition)
-        split = short_sequences and cu_seqlens is not None
-        parts = (LONG_ONLY, SEVERAL_ONLY if decoded else SHORT_ONLY)
-        launches = [args[:-1] + (part,) for part in parts] if split else (args,)
+        grid, args = config(order=order)
+        launches = (args,)
+        if short_sequences and cu_seqlens is not None:    # args end with SHORT
+            short = SEVERAL_ONLY if decoded else SHORT_ONLY
+            launches = (args[:-1] + (LONG_ONLY,), args[:-1] + (short,) if order is None else config(sequences=short)[1])
     for args in launches:
         ct.launch(current_stream(), grid, _kernel(worker_warps), args)
     _copy_back(final_state, pool, 0)

@@ -428,6 +428,17 @@ def test_plan_of_the_default_call():
 
 
 @gpu
+def test_plan_longest_first():
+    """Packed sequences whose stage-4 programs outnumber the SMs run longest first (in one pass); a
+    grid of one wave, a dense call and Tuning(longest_first=False) keep the grid's order."""
+    many = random_inputs(1, 300 * 64, 32, 128, seqlens=[64] * 299 + [64], initial_state=True)
+    assert make_plan(**many).longest_first
+    assert not make_plan(**many, tuning=Tuning(longest_first=False)).longest_first
+    assert not make_plan(**random_inputs(1, 300, 2, 128, seqlens=[100, 200])).longest_first
+    assert not make_plan(**random_inputs(2, 300, 96, 128)).longest_first
+
+
+@gpu
 def test_plan_of_flashkda_configuration():
     """l2norm, β logits (so a residual for stage 4), V-first states; and with allow_neg_eigval β's
     sigmoid doubled."""

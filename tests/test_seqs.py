@@ -1,11 +1,12 @@
 """The chunk table of packed sequences (kda_opt/seqs), under the interpreter or on the GPU, against
-the table built on the host as FLA does (prepare_chunk_indices)."""
+the table built on the host as FLA does (prepare_chunk_indices); stage 4's longest-first order
+against a stable sort on the host."""
 import pytest
 import torch
 import triton
 
 from kda_opt.options import CHUNK
-from kda_opt.seqs import BLOCK, block_offsets, packed, phased
+from kda_opt.seqs import BLOCK, RANK_BLOCK, block_offsets, longest_first, packed, phased
 from tests.conftest import kernel_device
 
 
@@ -51,6 +52,20 @@ def test_chunk_table_of_a_broken_cu_seqlens_is_clamped():
     _, rows = table(torch.tensor(cu, dtype=torch.int32), T)
     used = host_table(clamped)
     assert rows[:len(used)] == used and all(r == (-1, 0) for r in rows[len(used):])
+
+
+@pytest.mark.parametrize("lens", [[1, 63, 64, 65, 130, 0, 7], [5] * 70, [1] * 3 + [4096] + [1] * 130 + [64, 65],
+                                  "random"])
+def test_longest_first(lens):
+    """Sequences by descending chunk count, equal counts in their own order; more sequences than one
+    program's block (RANK_BLOCK)."""
+    if lens == "random":
+        lens = torch.randint(0, 3000, (3 * RANK_BLOCK + 7,), generator=torch.Generator().manual_seed(0)).tolist()
+    cu = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
+    order = longest_first(cu.to(kernel_device()), sum(lens)).cpu()
+    chunks = torch.tensor([triton.cdiv(n, CHUNK) for n in lens])
+    assert order.dtype == torch.int32
+    assert order.tolist() == torch.sort(-chunks, stable=True).indices.tolist()
 
 
 @pytest.mark.parametrize("size", [CHUNK, 512])

@@ -47,14 +47,15 @@ def constraint(arg):
 
 def cubin(dtype, K, has_state, store_state, block_v=None, B=1, T=8192, H=96, seqs=None, l2norm=False,
           state_v_first=False, state_dtype=torch.float32, beta_residual=False, pool=None, checkpoints=None,
-          checkpoint_every=1, transition=False, sequences=0, checkpoint_first=False):
+          checkpoint_every=1, transition=False, sequences=0, checkpoint_first=False, ordered=False):
     """The launcher's specialisation (launch_config on meta tensors of the default shape),
     compiled for sm_90; block_v None takes the launcher's choice on an H100. seqs: (N, cu_seqlens
     dtype) packs N sequences into the one batch entry (B = 1). l2norm: with stage 2's norms
     [2, B, H, T]. state_dtype: the initial state's. beta_residual: with stage 2's β residual [B, H, T] fp32.
     pool: (slots, slot index dtype, has_initial_state given): both states one pool of state_dtype,
     rows padded, read and written at each sequence's slot. checkpoints: the dtype of a checkpoint
-    buffer [B, NT, H, K, V] (packed: with its rows' offsets), written every checkpoint_every chunks."""
+    buffer [B, NT, H, K, V] (packed: with its rows' offsets), written every checkpoint_every chunks.
+    ordered (packed): the programs in the order of a [N] int32 permutation (kda_opt/seqs.longest_first)."""
     meta = lambda *shape, dt=dtype: torch.empty(*shape, dtype=dt, device="meta")
     q, k, v, o = (meta(B, T, H, K) for _ in range(4))
     cu_seqlens = None if seqs is None else meta(seqs[0] + 1, dt=seqs[1])
@@ -79,7 +80,8 @@ def cubin(dtype, K, has_state, store_state, block_v=None, B=1, T=8192, H=96, seq
                             checkpoints=None if checkpoints is None else meta(B, T // 64 + N, H, K, K, dt=checkpoints),
                             checkpoint_rows=None if checkpoints is None or seqs is None else meta(N, dt=torch.int32),
                             checkpoint_every=checkpoint_every, transition=transition,
-                            sequences=sequences, checkpoint_first=meta(N, dt=torch.int64) if checkpoint_first else None)
+                            sequences=sequences, checkpoint_first=meta(N, dt=torch.int64) if checkpoint_first else None,
+                            order=meta(N, dt=torch.int32) if ordered else None)
     signature = KernelSignature([constraint(a) for a in args], CallingConvention.cutile_python_v2())
     buf = io.BytesIO()
     export_kernel(wuso_kernel, [signature], buf, gpu_code="sm_90", output_format="cubin")
@@ -237,8 +239,20 @@ def test_short_launch_without_one_token_sequences_keeps_its_resources(call):
 
 
 @pytest.mark.parametrize("call", [
+    dict(seqs=(64, torch.int32), sequences=LONG_ONLY),
+    dict(seqs=(260, torch.int64), sequences=LONG_ONLY, l2norm=True, beta_residual=True, state_v_first=True,
+         pool=(300, torch.int32, True)),
+    dict(seqs=(64, torch.int32), sequences=EVERY_SEQUENCE, checkpoints=torch.float32, checkpoint_first=True)])
+def test_ordered_programs_keep_their_resources(call):
+    """Programs in longest_first's order (ORDERED: one more index load per program) keep the
+    launch's registers and stack frame."""
+    ordered = resources(cubin(torch.bfloat16, 128, True, True, **call, ordered=True))
+    assert ordered == resources(cubin(torch.bfloat16, 128, True, True, **call)), ordered
+
+
+@pytest.mark.parametrize("call", [
     dict(sequences=EVERY_SEQUENCE), dict(sequences=LONG_ONLY, l2norm=True, beta_residual=True, state_v_first=True),
-    dict(sequences=SHORT_ONLY), dict(sequences=HEADS, checkpoints=torch.float32, checkpoint_first=True),
+    dict(sequences=LONG_ONLY, ordered=True, pool=(300, torch.int32, False)), dict(sequences=SHORT_ONLY), dict(sequences=HEADS, checkpoints=torch.float32, checkpoint_first=True),
     dict(sequences=EVERY_SEQUENCE, checkpoints=torch.float32, checkpoint_every=8, checkpoint_first=True),
     dict(transition=True, block_v=128)])
 def test_packed_sequences_write_no_descriptor(call):
