@@ -40,6 +40,7 @@ import torch
 from .intra import warps_for
 from .launch import Kernels
 from .options import CHUNK, GateConfig, state_shape
+from .seqs import RANK_MAX
 from .wuso import INT32_MAX, WORKER_WARPS, block_v_for
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # q, k, v; and the initial state
@@ -60,8 +61,8 @@ class Tuning:
     parallel_tokens: int = 2048   # parallel segments: at least this many tokens each
     short_sequences: bool = True  # packed: a sequence of one chunk read by element offsets, not views
     route_decodes: bool = True    # packed, one pass: sequences of one token through kda_opt/decode
-    longest_first: bool = True    # packed, one pass, more stage-4 programs than SMs: the longest sequences'
-                                  # programs first (kda_opt/seqs.longest_first)
+    longest_first: bool = True    # packed, one pass, more stage-4 programs than SMs (at most RANK_MAX
+                                  # sequences): the longest sequences' programs first (kda_opt/seqs)
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,7 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         # grid order) ends its waves together, and a mixed step's prefills start before its decodes'
         # empty programs.
         longest_first=packed and tuning.longest_first and len(segments) == 1 and not parallel
-        and N * HV * (V // block_v) > sms,
+        and N * HV * (V // block_v) > sms and N <= RANK_MAX,
         intra_warps=tuning.intra_warps or warps_for(q.dtype), worker_warps=tuning.worker_warps,
         decode=_routed_decodes(Sizes(B, T, H, K, HV, V, N), scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
                                lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, initial_state,

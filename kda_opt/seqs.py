@@ -23,6 +23,7 @@ from .options import CHUNK
 
 BLOCK = 1024  # sequences per step of the offsets scan; slots per program of the index search
 RANK_BLOCK = 64  # sequences per program of longest_first, and per step of its comparisons
+RANK_MAX = 4096  # longest_first's O(N²) comparisons stay a few µs up to this many sequences
 
 
 @dataclass(frozen=True)

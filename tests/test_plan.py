@@ -9,6 +9,7 @@ import torch
 from kda_bench.inputs import PER_TOKEN, random_inputs
 from kda_opt import kda_forward
 from kda_opt.schedules import piece_tables
+from kda_opt.seqs import RANK_MAX
 from kda_opt.intra import FP32_WARPS, NUM_WARPS
 from kda_opt.plan import (ParallelCut, Tuning, cut_sequences, make_plan, parallel_segments,
                           time_segments)
@@ -430,12 +431,14 @@ def test_plan_of_the_default_call():
 @gpu
 def test_plan_longest_first():
     """Packed sequences whose stage-4 programs outnumber the SMs run longest first (in one pass); a
-    grid of one wave, a dense call and Tuning(longest_first=False) keep the grid's order."""
+    grid of one wave, more than RANK_MAX sequences, a dense call and Tuning(longest_first=False) keep
+    the grid's order."""
     many = random_inputs(1, 300 * 64, 32, 128, seqlens=[64] * 299 + [64], initial_state=True)
     assert make_plan(**many).longest_first
     assert not make_plan(**many, tuning=Tuning(longest_first=False)).longest_first
     assert not make_plan(**random_inputs(1, 300, 2, 128, seqlens=[100, 200])).longest_first
     assert not make_plan(**random_inputs(2, 300, 96, 128)).longest_first
+    assert not make_plan(**random_inputs(1, RANK_MAX + 1, 2, 128, seqlens=[1] * (RANK_MAX + 1))).longest_first
 
 
 @gpu
