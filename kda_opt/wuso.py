@@ -575,14 +575,13 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
                                 EVERY_SEQUENCE, checkpoint_first, order)
         launches = (first, rest)
     else:
-        config = functools.partial(launch_config, *common, initial_state, o, pool, cu_seqlens, qk_rstd, state_v_first,
+        grid, args = launch_config(*common, initial_state, o, pool, cu_seqlens, qk_rstd, state_v_first,
                                    beta_residual, slots, read_slots, write_slots, has_initial_state, rows,
-                                   checkpoint_rows, checkpoint_every, transition)
-        grid, args = config(order=order)
+                                   checkpoint_rows, checkpoint_every, transition, order=order)
         launches = (args,)
-        if short_sequences and cu_seqlens is not None:    # args end with SHORT
+        if short_sequences and cu_seqlens is not None:    # args end with ORDERED, SHORT
             short = SEVERAL_ONLY if decoded else SHORT_ONLY
-            launches = (args[:-1] + (LONG_ONLY,), args[:-1] + (short,) if order is None else config(sequences=short)[1])
+            launches = (args[:-1] + (LONG_ONLY,), args[:-2] + (False, short))
     for args in launches:
         ct.launch(current_stream(), grid, _kernel(worker_warps), args)
     _copy_back(final_state, pool, 0)
