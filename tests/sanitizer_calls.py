@@ -26,6 +26,7 @@ MIXED = [1, 63, 64, 65, 7, 130, 0, 200]      # short and long packed sequences, 
 TIME_SEGMENTS = Tuning(segment_tokens=128)
 PARALLEL = Tuning(parallel=True, parallel_tokens=128)
 ON_STAGE4 = Tuning(route_decodes=False)
+ORDERED = [1, 300, 5, 64, 65, 0, 130, 1, 200, 17] * 10   # 200 stage-4 programs at H = 2: longest first
 
 
 def pool_call(lens, slots, rows, v_first=False, dtype=torch.float32, has=None, **call):
@@ -95,6 +96,10 @@ CALLS = {
     "grouped value heads": lambda: kda_forward(**random_inputs(1, 200, H, K, HV=2 * H, initial_state=True)),
     "K = V = 64, packed": lambda: kda_forward(**random_inputs(1, sum(MIXED), H, 64, seqlens=MIXED,
                                                               initial_state=True, gate="softplus")),
+    "packed, longest first (more stage-4 programs than SMs), a pool": lambda: kda_forward(**pool_call(
+        ORDERED, [n if n % 9 else -1 for n in range(len(ORDERED))], len(ORDERED))),
+    "checkpoints at offsets, longest first": lambda: kda_forward(**checkpointed(
+        ORDERED, 128, offsets=[1 + (7 * n) % 128 for n in range(len(ORDERED))], state_v_first=True)),
     "packed mixed, one-token sequences on stage 4": lambda: run_tuned(pool_call(
         MIXED, [5, -1, 0, 9, 2, 3, 1, -1], 6, has=[True, True, False, True, True, True, False, True]), ON_STAGE4),
     "decode, a pool with −1, past-the-pool and pad slots": lambda: kda_decode(**decode_call(

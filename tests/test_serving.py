@@ -308,6 +308,44 @@ def test_checkpoint_offsets(call, ck_dtype, every):
     assert rel_err(o, ro) < 1.1 * rel_err(o_plain, ro) and rel_err(s, rs) < 1.1 * rel_err(s_plain, rs)
 
 
+# 100 sequences at H = 2: 200 stage-4 programs at V = 128, more than an H100's or H200's SMs.
+ORDERED_LENS = [1, 300, 5, 64, 65, 0, 130, 1, 200, 17] * 10
+
+
+@gpu
+@pytest.mark.parametrize("how", ["pool", "checkpoint offsets"])
+def test_longest_first_equals_grid_order(how):
+    """Stage 4's programs longest first (Plan.longest_first, where they outnumber the SMs) give the
+    grid order's numbers bit for bit: o and a pool at shuffled slots with −1 among them (the
+    one-token sequences routed), or o, the final states and checkpoints at offsets (each sequence's
+    head in a launch of its own, the rest ordered)."""
+    lens = ORDERED_LENS
+    args = random_inputs(1, sum(lens), 2, 128, seqlens=lens, seed=16, initial_state=how != "pool",
+                         **CALLS["flashkda"])
+    if how == "pool":
+        slots = torch.randperm(120, device="cuda")[:len(lens)]
+        slots[::9] = -1
+        args.update(initial_state=torch.randn(120, 2, 128, 128, device="cuda"), initial_state_indices=slots,
+                    output_final_state=False)
+    else:
+        firsts = [1 + (7 * n) % 128 for n in range(len(lens))]
+        rows = sum(0 if n == 0 else 1 + -(-max(n - f, 0) // 128) for n, f in zip(lens, firsts))
+        args.update(checkpoint_every=128, checkpoint_offsets=torch.tensor(firsts, device="cuda"))
+    results = []
+    for ordered in (True, False):
+        call = {**args, "initial_state": args["initial_state"].clone()}
+        if how != "pool":
+            call["checkpoints"] = torch.full((1, rows + 1, 2, 128, 128), 7.0, device="cuda")
+        plan = make_plan(**call, tuning=Tuning(longest_first=ordered))
+        assert plan.longest_first == ordered
+        o, s = run(plan, **{n: call.get(n) for n in RUN_TENSORS})
+        results.append((o, s, call["initial_state"], call.get("checkpoints")))
+    (o1, s1, p1, c1), (o0, s0, p0, c0) = results
+    assert torch.equal(o1, o0) and torch.equal(p1, p0)
+    assert s0 is None or torch.equal(s1, s0)
+    assert c0 is None or torch.equal(c1, c0)
+
+
 @gpu
 @pytest.mark.parametrize("pool", [False, True])
 def test_checkpoint_offsets_of_a_whole_interval(pool):
