@@ -31,7 +31,7 @@ from .launch import Kernels, annotated, direct, nvtx_enabled
 from .options import CHUNK
 from .plan import Plan, Tuning, make_plan, plan_for
 from .schedules import final_states, packed_pieces, parallel, parallel_packed, pipelined, units
-from .seqs import block_offsets, longest_first, packed, phased
+from .seqs import block_offsets, longest_first, packed, phased, sequence_counts
 from .wuso import wuso
 
 
@@ -232,7 +232,8 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
     scripts/bench_stages.py passes one that records them. kernels: the plan's table of compiled Triton
     kernels (kda_opt/launch; None: every launch through the JIT). made: stages 1–3's outputs over
     these tokens, computed before (Prepared; a plan of one time segment, without checkpoint offsets).
-    cu_seqlens_cpu: the host copy, from which packed sequences are cut where plan.parallel_cut says."""
+    cu_seqlens_cpu: the host copy, from which packed sequences are cut where plan.parallel_cut says
+    and stage 4's launches sized where plan.sized_launches does."""
     ranges = nvtx_enabled()
     launch = launch or (annotated if ranges else direct)
     q, k, v, g, beta, initial_state, A_log, dt_bias = _as_read(plan, q, k, v, g, beta, initial_state, A_log, dt_bias)
@@ -265,7 +266,10 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
         elif len(plan.segments) == 1:
             gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, seqs, skip_single=plan.decode is not None)
             order = launch("seqs", longest_first, cu_seqlens, plan.T, kernels) if plan.longest_first else None
-            o = stage4(q, k, v, gcum, Tm, Aqk, **state, checkpoints=checkpoints, order=order,
+            # (A CUDA graph replays its launches on other lengths: captured, they cover every sequence.)
+            counts = sequence_counts(cu_seqlens_cpu, plan.decode is not None) \
+                if plan.sized_launches and not torch.cuda.is_current_stream_capturing() else None
+            o = stage4(q, k, v, gcum, Tm, Aqk, **state, checkpoints=checkpoints, order=order, sequence_counts=counts,
                        checkpoint_rows=rows if rows is not None else _checkpoint_rows(plan, checkpoints, seqs, kernels),
                        checkpoint_first=checkpoint_offsets, cu_seqlens=cu_seqlens, qk_rstd=rstd, beta_residual=r,
                        decoded=plan.decode is not None)

@@ -26,6 +26,14 @@ RANK_BLOCK = 64  # sequences per program of longest_first, and per step of its c
 RANK_MAX = 4096  # longest_first's O(N²) comparisons stay a few µs up to this many sequences
 
 
+def sequence_counts(cu_seqlens_cpu: torch.Tensor, decoded: bool) -> tuple[int, int]:
+    """From the host copy: (sequences longer than a chunk, those of at most one chunk that stage 4
+    computes: all of them, or without the one-token ones where decoded)."""
+    lengths = cu_seqlens_cpu.diff()
+    long = int((lengths > CHUNK).sum())
+    return long, lengths.numel() - long - (int((lengths == 1).sum()) if decoded else 0)
+
+
 @dataclass(frozen=True)
 class Seqs:
     """The sequence layout the stages launch over (see the module docstring)."""

@@ -527,7 +527,7 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
          checkpoint_rows=None, checkpoint_every: int = 1, checkpoint_first=None, cu_seqlens=None, qk_rstd=None,
          state_v_first: bool = False,
          beta_residual=None, transition: bool = False, short_sequences: bool = False, decoded: bool = False,
-         order=None, out=None, worker_warps: int = WORKER_WARPS):
+         order=None, sequence_counts=None, out=None, worker_warps: int = WORKER_WARPS):
     """Stage 4 on the current stream: o [B, T, HV, V] (v's dtype), returned; the final states written
     into final_state. Inputs as in the module docstring, validated by kda_opt/plan (q, k, v may be
     views whose token rows are dense and evenly spaced); absent ones None; cu_seqlens [N + 1] packs
@@ -556,6 +556,9 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
     other's; decoded: the short launch skips the sequences of one token (kda_opt/decode computes
     them). order (packed): [N] int32, a permutation of the sequences (kda_opt/seqs.longest_first):
     program i of the grid computes sequence order[i] (the short launch keeps the grid's order).
+    sequence_counts (short_sequences): (long, short) from the host lengths (kda_opt/seqs.sequence_counts):
+    a launch with none is not made, and with an order the long launch's grid covers only the long
+    sequences (the first `long` of the order); None: both launches over every sequence.
     worker_warps: the kernel's worker warps. A written pool or checkpoint buffer of one row is
     written through a two-row copy (_two_rows)."""
     o = v if transition else torch.empty_like(v) if out is None else out      # (transition: never written)
@@ -573,16 +576,22 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
         _, rest = launch_config(*common, heads, o, pool, cu_seqlens, qk_rstd, state_v_first, beta_residual, slots,
                                 False, write_slots, None, rows, checkpoint_rows, checkpoint_every, False,
                                 EVERY_SEQUENCE, checkpoint_first, order)
-        launches = (first, rest)
+        launches = ((grid, first), (grid, rest))
     else:
         grid, args = launch_config(*common, initial_state, o, pool, cu_seqlens, qk_rstd, state_v_first,
                                    beta_residual, slots, read_slots, write_slots, has_initial_state, rows,
                                    checkpoint_rows, checkpoint_every, transition, order=order)
-        launches = (args,)
+        launches = ((grid, args),)
         if short_sequences and cu_seqlens is not None:    # args end with ORDERED, SHORT
             short = SEVERAL_ONLY if decoded else SHORT_ONLY
-            launches = (args[:-1] + (LONG_ONLY,), args[:-2] + (False, short))
-    for args in launches:
+            long_grid, long_count, short_count = grid, 1, 1
+            if sequence_counts is not None:
+                long_count, short_count = sequence_counts
+                if order is not None:
+                    long_grid = (grid[0], long_count * v.shape[2], 1)
+            launches = tuple((g, a) for g, a, count in ((long_grid, args[:-1] + (LONG_ONLY,), long_count),
+                                                        (grid, args[:-2] + (False, short), short_count)) if count)
+    for grid, args in launches:
         ct.launch(current_stream(), grid, _kernel(worker_warps), args)
     _copy_back(final_state, pool, 0)
     _copy_back(checkpoints, rows, 1)

@@ -442,6 +442,20 @@ def test_plan_longest_first():
 
 
 @gpu
+def test_plan_sized_launches():
+    """Stage 4's launches are sized from the host lengths where a packed one-pass call gives them
+    (cu_seqlens_cpu), not without them, with checkpoint offsets, or with Tuning(sized_launches=False)."""
+    args = random_inputs(1, 300, 2, 128, seqlens=[1, 100, 199], initial_state=True)
+    assert make_plan(**args).sized_launches
+    assert not make_plan(**args, tuning=Tuning(sized_launches=False)).sized_launches
+    assert not make_plan(**{**args, "cu_seqlens_cpu": None}).sized_launches
+    offsets = dict(checkpoints=torch.zeros(1, 8, 2, 128, 128, device="cuda"), checkpoint_offsets=torch.tensor(
+        [1, 64, 64], device="cuda"))
+    assert not make_plan(**args, **offsets).sized_launches
+    assert not make_plan(**random_inputs(2, 300, 2, 128)).sized_launches
+
+
+@gpu
 def test_plan_of_flashkda_configuration():
     """l2norm, β logits (so a residual for stage 4), V-first states; and with allow_neg_eigval β's
     sigmoid doubled."""

@@ -1,12 +1,12 @@
 """The chunk table of packed sequences (kda_opt/seqs), under the interpreter or on the GPU, against
 the table built on the host as FLA does (prepare_chunk_indices); stage 4's longest-first order
-against a stable sort on the host."""
+against a stable sort on the host; stage 4's sequence counts from the host copy."""
 import pytest
 import torch
 import triton
 
 from kda_opt.options import CHUNK
-from kda_opt.seqs import BLOCK, RANK_BLOCK, block_offsets, longest_first, packed, phased
+from kda_opt.seqs import BLOCK, RANK_BLOCK, block_offsets, longest_first, packed, phased, sequence_counts
 from tests.conftest import kernel_device
 
 
@@ -66,6 +66,16 @@ def test_longest_first(lens):
     chunks = torch.tensor([triton.cdiv(n, CHUNK) for n in lens])
     assert order.dtype == torch.int32
     assert order.tolist() == torch.sort(-chunks, stable=True).indices.tolist()
+
+
+@pytest.mark.parametrize("decoded", [False, True])
+def test_sequence_counts(decoded):
+    """(longer than a chunk, at most a chunk) from the host copy; where decoded, the one-token
+    sequences are not counted (the decode kernel's); empty sequences are short (stage 4 passes their
+    states on)."""
+    cu = torch.tensor([0, 1, 1, 65, 130, 131, 431, 495])             # 1, 0, 64, 65, 1, 300, 64 tokens
+    assert sequence_counts(cu, decoded) == (2, 3 if decoded else 5)
+    assert sequence_counts(torch.tensor([0, 1, 2]), decoded) == (0, 0 if decoded else 2)
 
 
 @pytest.mark.parametrize("size", [CHUNK, 512])

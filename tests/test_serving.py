@@ -346,6 +346,64 @@ def test_longest_first_equals_grid_order(how):
     assert c0 is None or torch.equal(c1, c0)
 
 
+SIZED_MIXES = {"both launches, ordered": ORDERED_LENS, "no short one": [1] * 150 + [300, 200],
+               "no long one": [5, 64, 0, 17, 1] * 30, "grid order, no short one": [1, 100]}
+
+
+@gpu
+@pytest.mark.parametrize("mix", SIZED_MIXES)
+@pytest.mark.parametrize("pool", [False, True])
+def test_sized_launches_equal_full_ones(mix, pool):
+    """Stage 4's launches sized from the host lengths (Plan.sized_launches: an empty launch not made,
+    the ordered long launch over the long sequences only) give the full launches' numbers bit for
+    bit: o, and the final states or a pool at shuffled slots with −1 among them (one-token
+    sequences routed)."""
+    lens = SIZED_MIXES[mix]
+    args = random_inputs(1, sum(lens), 2, 128, seqlens=lens, seed=17, initial_state=not pool, **CALLS["flashkda"])
+    if pool:
+        slots = torch.randperm(len(lens) + 40, device="cuda")[:len(lens)]
+        slots[::7] = -1
+        args.update(initial_state=torch.randn(len(lens) + 40, 2, 128, 128, device="cuda"),
+                    initial_state_indices=slots, output_final_state=False)
+    results = []
+    for sized in (True, False):
+        call = {**args, "initial_state": args["initial_state"].clone()}
+        plan = make_plan(**call, tuning=Tuning(sized_launches=sized))
+        assert plan.sized_launches == sized and plan.longest_first == (mix != "grid order, no short one")
+        o, s = run(plan, **{n: call.get(n) for n in RUN_TENSORS})
+        results.append((o, s, call["initial_state"]))
+    (o1, s1, p1), (o0, s0, p0) = results
+    assert torch.equal(o1, o0) and torch.equal(p1, p0)
+    assert s0 is None or torch.equal(s1, s0)
+
+
+@gpu
+def test_sized_launches_are_full_in_a_cuda_graph():
+    """A call with its host lengths captured in a CUDA graph launches stage 4 over every sequence: a
+    replay on other lengths (sequences of two tokens where the captured call had none, three long
+    ones where it had two) equals the eager call on them."""
+    def call(lens, seed):
+        args = random_inputs(1, sum(lens), 2, 128, seqlens=lens, seed=seed, **CALLS["flashkda"])
+        args.update(initial_state=torch.randn(200, 2, 128, 128, device="cuda"), output_final_state=False,
+                    initial_state_indices=torch.randperm(200, device="cuda")[:len(lens)].int())
+        return args
+    static, new = call([1] * 150 + [300, 200], 18), call([1] * 147 + [2, 2, 100, 200, 199], 19)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        kda_forward(**{**static, "initial_state": static["initial_state"].clone()})  # JIT outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, _ = kda_forward(**static)
+    for name, x in new.items():
+        if isinstance(x, torch.Tensor) and x.device.type == "cuda":
+            static[name].copy_(x)
+    graph.replay()
+    o_eager, _ = kda_forward(**new)
+    assert torch.equal(o, o_eager) and torch.equal(static["initial_state"], new["initial_state"])
+
+
 @gpu
 @pytest.mark.parametrize("pool", [False, True])
 def test_checkpoint_offsets_of_a_whole_interval(pool):
