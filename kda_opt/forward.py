@@ -249,11 +249,19 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
                                checkpoint_every=plan.checkpoint_every // CHUNK,
                                short_sequences=plan.short_sequences)
     with nvtx.annotate("kda_opt/forward", domain="kda_opt") if ranges else contextlib.nullcontext():
+        cut = None if plan.parallel else packed_pieces(plan, cu_seqlens_cpu)
+        one_pass = not plan.parallel and cut is None and len(plan.segments) == 1
+        routed = one_pass and plan.decode is not None     # its sequences of one token through kda_opt/decode
+        # The launches sized from the host lengths; a CUDA graph replays its launches on other lengths,
+        # so captured they cover every sequence.
+        counts = sequence_counts(cu_seqlens_cpu, routed) \
+            if one_pass and plan.sized_launches and not torch.cuda.is_current_stream_capturing() else None
         seqs = rows = None
         if plan.checkpoint_offsets:
             seqs, rows = launch("seqs", phased, cu_seqlens, checkpoint_offsets, plan.T, plan.checkpoint_every, kernels)
         elif plan.packed:
-            seqs = launch("seqs", packed, cu_seqlens, plan.T, kernels)
+            seqs = launch("seqs", packed, cu_seqlens, plan.T, kernels, skip_single=routed,
+                          chunks=None if counts is None else counts.chunks)
         final = initial_state if plan.state_pool else final_states(plan, v) if plan.output_final_state else None
         if plan.pad_slot is not None:           # the pad slot as a negative one: not read, not written
             initial_state_indices = initial_state_indices.masked_fill(initial_state_indices == plan.pad_slot, -1)
@@ -261,19 +269,16 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
                      read_slots=plan.state_pool, write_slots=plan.state_pool, has_initial_state=has_initial_state)
         if plan.parallel:
             o = parallel(plan, q, k, v, g, beta, state, checkpoints, prepare, stage4)
-        elif (cut := packed_pieces(plan, cu_seqlens_cpu)) is not None:
+        elif cut is not None:
             o = parallel_packed(plan, q, k, v, g, beta, seqs, state, checkpoints, prepare, stage4, *cut)
-        elif len(plan.segments) == 1:
-            gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, seqs, skip_single=plan.decode is not None)
+        elif one_pass:
+            gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, seqs)
             order = launch("seqs", longest_first, cu_seqlens, plan.T, kernels) if plan.longest_first else None
-            # (A CUDA graph replays its launches on other lengths: captured, they cover every sequence.)
-            counts = sequence_counts(cu_seqlens_cpu, plan.decode is not None) \
-                if plan.sized_launches and not torch.cuda.is_current_stream_capturing() else None
             o = stage4(q, k, v, gcum, Tm, Aqk, **state, checkpoints=checkpoints, order=order, sequence_counts=counts,
                        checkpoint_rows=rows if rows is not None else _checkpoint_rows(plan, checkpoints, seqs, kernels),
                        checkpoint_first=checkpoint_offsets, cu_seqlens=cu_seqlens, qk_rstd=rstd, beta_residual=r,
-                       decoded=plan.decode is not None)
-            if plan.decode is not None:     # the sequences of one token: their o rows and states
+                       decoded=routed)
+            if routed:                      # the sequences of one token: their o rows and states
                 launch("decode", decode, plan.decode, q, k, v, g, beta, A_log, dt_bias, initial_state,
                        final, cu_seqlens, initial_state_indices, None, o, has_initial_state, kernels=kernels)
         else:
@@ -351,16 +356,15 @@ def _checkpoint_rows(plan: Plan, checkpoints, seqs, kernels):
     return block_offsets(seqs.cu_seqlens, plan.T, plan.checkpoint_every, kernels)
 
 
-def _stages_1_to_3(plan: Plan, launch, kernels, q, k, g, beta, seqs=None, *, A_log, dt_bias, skip_single=False):
-    """Stages 1–3 over q, k, g, beta [B, T, ...] (seqs: their layout; None: B sequences of T tokens):
-    Γ, Aqk, Tm, β's residual r [B, HV, T] (plan.beta_residual, else None) and the q/k norms
-    [2, B, H, T] (plan.l2norm, else None); with skip_single none of them for packed sequences of one
-    token (plan.decode computes those)."""
+def _stages_1_to_3(plan: Plan, launch, kernels, q, k, g, beta, seqs=None, *, A_log, dt_bias):
+    """Stages 1–3 over q, k, g, beta [B, T, ...] (seqs: their layout, whose chunks they compute;
+    None: B sequences of T tokens): Γ, Aqk, Tm, β's residual r [B, HV, T] (plan.beta_residual, else
+    None) and the q/k norms [2, B, H, T] (plan.l2norm, else None)."""
     B, T, H, _ = q.shape
     r = q.new_empty((B, plan.HV, T), dtype=torch.float32) if plan.beta_residual else None
     rstd = q.new_empty((2, B, H, T), dtype=torch.float32) if plan.l2norm else None   # 1 / ‖q‖, 1 / ‖k‖
-    gcum = launch("gate", gate_cumsum, g, plan.gate, A_log, dt_bias, seqs, skip_single=skip_single, kernels=kernels)
+    gcum = launch("gate", gate_cumsum, g, plan.gate, A_log, dt_bias, seqs, kernels=kernels)
     Aqk, Tm = launch("intra", intra_chunk, q, k, gcum, beta, plan.scale, gate_bounded=plan.gate.bounded,
                      seqs=seqs, l2norm=plan.l2norm, beta_sigmoid=plan.beta_sigmoid, beta_residual=r, qk_rstd=rstd,
-                     num_warps=plan.intra_warps, skip_single=skip_single, kernels=kernels)
+                     num_warps=plan.intra_warps, kernels=kernels)
     return gcum, Aqk, Tm, r, rstd

@@ -30,13 +30,12 @@ def gate_cumsum_kernel(
     T, lower_bound,
     HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
     MODE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, PACKED: tl.constexpr,
-    SKIP_SINGLE: tl.constexpr,
 ):
     i_bh, i_t, i_k = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     i_h = i_bh % HV
     bos, T, i_t = chunk_span(i_bh // HV, i_t, T, cu_seqlens, chunk_indices, PACKED)
-    if SKIP_SINGLE:
-        if T == 1:  # a sequence of one token, which kda_opt/decode computes (Plan.decode)
+    if PACKED:
+        if i_t * C >= T:  # a spare slot
             return
     o_t = i_t * C + tl.arange(0, C)
     o_k = i_k * BK + tl.arange(0, BK)
@@ -76,12 +75,11 @@ def gate_mode(gate: GateConfig):
 
 
 def gate_cumsum(g: torch.Tensor, gate: GateConfig, A_log=None, dt_bias=None, seqs: Seqs | None = None, *,
-                skip_single: bool = False, kernels: Kernels | None = None):
+                kernels: Kernels | None = None):
     """Γ = chunk-local cumsum of the activated gate, in log2 units: [B, T, HV, K] float32. A_log,
     dt_bias: fp32, contiguous, or None. seqs: the sequence layout (kda_opt/seqs); None is B
-    sequences of T tokens. skip_single: packed sequences of one token are left unwritten (their
-    rows are read by no stage: kda_opt/decode computes them). kernels: the plan's compiled kernels
-    (kda_opt/launch), or None."""
+    sequences of T tokens; rows of no chunk in it are left unwritten. kernels: the plan's compiled
+    kernels (kda_opt/launch), or None."""
     B, T, HV, K = g.shape
     seqs = seqs or fixed(T)
     gcum = torch.empty(B, T, HV, K, dtype=torch.float32, device=g.device)
@@ -93,6 +91,5 @@ def gate_cumsum(g: torch.Tensor, gate: GateConfig, A_log=None, dt_bias=None, seq
         g=g, A_log=A_log, dt_bias=dt_bias, gcum=gcum, cu_seqlens=seqs.cu_seqlens, chunk_indices=seqs.chunk_indices,
         T=T, lower_bound=float(gate.lower_bound or 0.0), HV=HV, K=K, C=CHUNK, BK=BK,
         MODE=gate_mode(gate), HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, PACKED=seqs.packed,
-        SKIP_SINGLE=skip_single and seqs.packed,
     )
     return gcum

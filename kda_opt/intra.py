@@ -335,7 +335,7 @@ def intra_chunk_kernel(
     SQ: tl.constexpr, SK: tl.constexpr, SB: tl.constexpr,  # q's, k's and beta's token strides (views)
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, UNBOUNDED: tl.constexpr,
     SPLIT_BF16: tl.constexpr, PACKED: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
-    BETA_RESIDUAL: tl.constexpr, KS: tl.constexpr, SKIP_SINGLE: tl.constexpr,
+    BETA_RESIDUAL: tl.constexpr, KS: tl.constexpr,
 ):
     # FLA 0.6.0 computes these matrices in three kernels (diagonal blocks, off-diagonal blocks fused
     # with the solve, then the inverse's merges); here one program holds a chunk's Akk in registers,
@@ -350,9 +350,6 @@ def intra_chunk_kernel(
     if PACKED:
         if t0 >= T:  # a spare slot
             return
-        if SKIP_SINGLE:
-            if T == 1:  # a sequence of one token, which kda_opt/decode computes (Plan.decode)
-                return
     tok = bos - i_b * T_all                    # the sequence's first token in its batch entry
     q += bos * SQ + i_h * K
     k += bos * SK + i_h * K
@@ -412,7 +409,7 @@ def intra_chunk_kernel(
 
 def intra_chunk(q, k, gcum, beta, scale: float, *, gate_bounded: bool = False, seqs: Seqs | None = None,
                 l2norm: bool = False, beta_sigmoid: float | None = None, beta_residual: torch.Tensor | None = None,
-                qk_rstd: torch.Tensor | None = None, num_warps: int | None = None, skip_single: bool = False,
+                qk_rstd: torch.Tensor | None = None, num_warps: int | None = None,
                 kernels: Kernels | None = None):
     """Aqk [B, T, HV, C] (q's dtype) and Tm [B, T, HV, C] (k's dtype) of every chunk (C = CHUNK).
     gate_bounded: every log-decay a ≥ −5 (Γ falls at most 5/ln 2 per token in log2 units), so one
@@ -423,9 +420,8 @@ def intra_chunk(q, k, gcum, beta, scale: float, *, gate_bounded: bool = False, s
     beta_residual: a [B, HV, T] fp32 tensor that receives β − β rounded to Tm's dtype (module
     docstring). qk_rstd: with l2norm, a [2, B, H, T] fp32 tensor that receives q's and k's
     1 / sqrt(Σ x² + eps) per token (None: a buffer of the launcher's own). num_warps: the kernel's
-    warps (None: warps_for(q.dtype); kda_opt/plan.Tuning). skip_single: packed sequences of one
-    token are left unwritten (kda_opt/decode computes them; no stage reads their rows). kernels: the
-    plan's compiled kernels (kda_opt/launch), or None."""
+    warps (None: warps_for(q.dtype); kda_opt/plan.Tuning). Rows of no chunk in seqs are left
+    unwritten. kernels: the plan's compiled kernels (kda_opt/launch), or None."""
     B, T, H, K = q.shape
     HV = gcum.shape[2]
     seqs = seqs or fixed(T)
@@ -441,7 +437,7 @@ def intra_chunk(q, k, gcum, beta, scale: float, *, gate_bounded: bool = False, s
         PACKED=seqs.packed, L2NORM=l2norm,
         UNBOUNDED=not gate_bounded, BETA_SIGMOID=float(beta_sigmoid or 0.0),
         BETA_RESIDUAL=beta_residual is not None,
-        SPLIT_BF16=q.dtype == torch.bfloat16, SKIP_SINGLE=skip_single and seqs.packed,
+        SPLIT_BF16=q.dtype == torch.bfloat16,
         num_warps=num_warps or warps_for(q.dtype),
     )
     return Aqk, Tm

@@ -63,7 +63,7 @@ class Tuning:
     route_decodes: bool = True    # packed, one pass: sequences of one token through kda_opt/decode
     longest_first: bool = True    # packed, one pass, more stage-4 programs than SMs (at most RANK_MAX
                                   # sequences): the longest sequences' programs first (kda_opt/seqs)
-    sized_launches: bool = True   # packed, one pass, with cu_seqlens_cpu: stage 4's launches sized from
+    sized_launches: bool = True   # packed, one pass, with cu_seqlens_cpu: the stages' grids sized from
                                   # the host lengths on each call outside graph capture (kda_opt/seqs.sequence_counts)
 
 
@@ -116,7 +116,7 @@ class Plan(Sizes):
     pad_slot: int | None          # a pool slot padding sequences name: read and written as a negative one
     short_sequences: bool         # packed: stage 4 reads a sequence of one chunk by element offsets
     longest_first: bool           # packed, one pass: stage 4's programs by descending sequence length
-    sized_launches: bool          # packed, one pass, host lengths given: stage 4's launches sized from them
+    sized_launches: bool          # packed, one pass, host lengths given: the stages' grids sized from them
     intra_warps: int
     worker_warps: int
     decode: "DecodePlan | None"   # packed: its sequences of one token through kda_opt/decode, stage 4 skipping them
@@ -194,8 +194,9 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         # empty programs.
         longest_first=packed and tuning.longest_first and len(segments) == 1 and not parallel
         and N * HV * (V // block_v) > sms and N <= RANK_MAX,
-        # A launch with no sequence of its kind is not made, and the ordered long launch stops at the
-        # long sequences: programs that would end at once cost a CTA each (one per SM at a time).
+        # Stages 1–2 over the chunks there are, stage 4 without a launch that has no sequence of its
+        # kind and its ordered long launch over the long sequences only: a program that would end at
+        # once still costs its launch (stage 4's: one CTA per SM at a time).
         sized_launches=packed and tuning.sized_launches and tuning.short_sequences and checkpoint_offsets is None
         and cu_seqlens_cpu is not None and len(segments) == 1 and not parallel,
         intra_warps=tuning.intra_warps or warps_for(q.dtype), worker_warps=tuning.worker_warps,

@@ -13,6 +13,7 @@ of more programs than SMs starts its longest ones first (longest-processing-time
 """
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -26,12 +27,21 @@ RANK_BLOCK = 64  # sequences per program of longest_first, and per step of its c
 RANK_MAX = 4096  # longest_first's O(N²) comparisons stay a few µs up to this many sequences
 
 
-def sequence_counts(cu_seqlens_cpu: torch.Tensor, decoded: bool) -> tuple[int, int]:
-    """From the host copy: (sequences longer than a chunk, those of at most one chunk that stage 4
-    computes: all of them, or without the one-token ones where decoded)."""
+class Counts(NamedTuple):
+    """What a packed call's launches cover, counted from its host copy (sequence_counts)."""
+    long: int       # sequences longer than a chunk
+    short: int      # sequences of at most one chunk that stage 4 computes
+    chunks: int     # chunks of the sequences stages 1–3 compute
+
+
+def sequence_counts(cu_seqlens_cpu: torch.Tensor, skip_single: bool) -> Counts:
+    """From the host copy cu_seqlens_cpu [N + 1]; skip_single: the sequences of one token are left
+    out of every count (kda_opt/decode computes them)."""
     lengths = cu_seqlens_cpu.diff()
+    if skip_single:
+        lengths = lengths[lengths != 1]
     long = int((lengths > CHUNK).sum())
-    return long, lengths.numel() - long - (int((lengths == 1).sum()) if decoded else 0)
+    return Counts(long, lengths.numel() - long, int(lengths.add(CHUNK - 1).div(CHUNK, rounding_mode="floor").sum()))
 
 
 @dataclass(frozen=True)
@@ -58,12 +68,15 @@ def fixed(T: int) -> Seqs:
     return Seqs(chunk_slots=-(-T // CHUNK))
 
 
-def packed(cu_seqlens: torch.Tensor, T: int, kernels: Kernels | None = None) -> Seqs:
+def packed(cu_seqlens: torch.Tensor, T: int, kernels: Kernels | None = None, *, skip_single: bool = False,
+           chunks: int | None = None) -> Seqs:
     """The layout of sequences packed along T by cu_seqlens (validated by the caller). kernels: the
-    plan's compiled kernels (kda_opt/launch), or None."""
+    plan's compiled kernels (kda_opt/launch), or None. skip_single: sequences of one token own no
+    chunk (kda_opt/decode computes them). chunks: how many chunks the table holds, counted on the
+    host (sequence_counts), for a grid of that many slots (at least one); None: the bound."""
     N = cu_seqlens.shape[0] - 1
-    slots = -(-T // CHUNK) + N - 1
-    offsets = block_offsets(cu_seqlens, T, CHUNK, kernels)
+    slots = -(-T // CHUNK) + N - 1 if chunks is None else max(chunks, 1)
+    offsets = block_offsets(cu_seqlens, T, CHUNK, kernels, skip_single=skip_single)
     indices = torch.empty(slots, 2, dtype=torch.int32, device=cu_seqlens.device)
     triton_launch(chunk_indices_kernel, (-(-slots // BLOCK),), kernels, offsets=offsets, indices=indices, N=N,
                   slots=slots, STEPS=N.bit_length(), BLOCK=BLOCK)
@@ -86,13 +99,15 @@ def phased(cu_seqlens: torch.Tensor, first: torch.Tensor, T: int, every: int,
     return packed(torch.cat((cuts, cu_seqlens[-1:])), T, kernels), offsets
 
 
-def block_offsets(cu_seqlens: torch.Tensor, T: int, size: int, kernels: Kernels | None = None) -> torch.Tensor:
+def block_offsets(cu_seqlens: torch.Tensor, T: int, size: int, kernels: Kernels | None = None, *,
+                  skip_single: bool = False) -> torch.Tensor:
     """[N + 1] int32 on the device: Σ_{m<n} cdiv(len_m, size) for n = 0 .. N, the first row of each
-    packed sequence in a table with a row per `size` tokens of each (chunks: size = CHUNK)."""
+    packed sequence in a table with a row per `size` tokens of each (chunks: size = CHUNK); with
+    skip_single, none for a sequence of one token."""
     N = cu_seqlens.shape[0] - 1
     offsets = torch.empty(N + 1, dtype=torch.int32, device=cu_seqlens.device)
     triton_launch(chunk_offsets_kernel, (1,), kernels, cu_seqlens=cu_seqlens, offsets=offsets, N=N, T=T, size=size,
-                  BLOCK=BLOCK)
+                  skip=int(skip_single), BLOCK=BLOCK)
     return offsets
 
 
@@ -116,9 +131,11 @@ def _bounds(cu_seqlens, n, T):
     return bos, eos
 
 
-@triton.jit
-def chunk_offsets_kernel(cu_seqlens, offsets, N, T, size, BLOCK: tl.constexpr):
-    # offsets[n] = Σ_{m<n} cdiv(len_m, size): one program, the scan carried across blocks of sequences.
+@triton.jit(do_not_specialize=["skip"])
+def chunk_offsets_kernel(cu_seqlens, offsets, N, T, size, skip, BLOCK: tl.constexpr):
+    # offsets[n] = Σ_{m<n} cdiv(len_m, size), 0 for len_m = skip: one program, the scan carried
+    # across blocks of sequences. skip is an argument, not a constant: one plan's calls may differ
+    # in it (kda_opt/launch keeps one compiled kernel per plan), and 0 skips nothing.
     tl.store(offsets, 0)
     carry = N * 0
     for n0 in range(0, N, BLOCK):
@@ -126,6 +143,7 @@ def chunk_offsets_kernel(cu_seqlens, offsets, N, T, size, BLOCK: tl.constexpr):
         m_n = o_n < N
         bos, eos = _bounds(cu_seqlens, tl.where(m_n, o_n, 0), T)
         counts = tl.where(m_n, (eos - bos + size - 1) // size, 0).to(tl.int32)
+        counts = tl.where(eos - bos == skip, 0, counts)
         tl.store(offsets + o_n + 1, carry + tl.cumsum(counts, axis=0), mask=m_n)
         carry += tl.sum(counts, axis=0)
 

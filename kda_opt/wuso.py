@@ -556,9 +556,9 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
     other's; decoded: the short launch skips the sequences of one token (kda_opt/decode computes
     them). order (packed): [N] int32, a permutation of the sequences (kda_opt/seqs.longest_first):
     program i of the grid computes sequence order[i] (the short launch keeps the grid's order).
-    sequence_counts (short_sequences): (long, short) from the host lengths (kda_opt/seqs.sequence_counts):
-    a launch with none is not made, and with an order the long launch's grid covers only the long
-    sequences (the first `long` of the order); None: both launches over every sequence.
+    sequence_counts (short_sequences): the sequences counted on the host (kda_opt/seqs.Counts): a
+    launch with none of its kind is not made, and with an order the long launch's grid covers only
+    the long sequences (the first `long` of the order); None: both launches over every sequence.
     worker_warps: the kernel's worker warps. A written pool or checkpoint buffer of one row is
     written through a two-row copy (_two_rows)."""
     o = v if transition else torch.empty_like(v) if out is None else out      # (transition: never written)
@@ -586,7 +586,7 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
             short = SEVERAL_ONLY if decoded else SHORT_ONLY
             long_grid, long_count, short_count = grid, 1, 1
             if sequence_counts is not None:
-                long_count, short_count = sequence_counts
+                long_count, short_count = sequence_counts.long, sequence_counts.short
                 if order is not None:
                     long_grid = (grid[0], long_count * v.shape[2], 1)
             launches = tuple((g, a) for g, a, count in ((long_grid, args[:-1] + (LONG_ONLY,), long_count),

@@ -78,17 +78,18 @@ def test_gate_packed_sequences(lens, mode):
 
 
 def test_gate_skips_single_token_sequences(monkeypatch):
-    """skip_single (a plan that routes one-token sequences to kda_opt/decode): those sequences' rows
-    are not written (NaN where the buffer starts as NaN), every other row as without it, bit for bit."""
+    """A table without the one-token sequences (packed(skip_single=True), as a plan that routes them
+    to kda_opt/decode builds it): their rows are not written (NaN where the buffer starts as NaN),
+    every other row as with the whole table, bit for bit."""
     lens, HV, K = [1, 63, 1, 65, 1, 3], 2, 32
     T, dev = sum(lens), kernel_device()
     g = (3 * torch.randn(1, T, HV, K, generator=torch.Generator().manual_seed(3))).to(dev)
-    seqs = packed(torch.tensor([0, *lens]).cumsum(0).to(dev), T)
+    cu = torch.tensor([0, *lens]).cumsum(0).to(dev)
     gate = MODES["sigmoid"][0]
-    plain = gate_cumsum(g, gate, seqs=seqs)
+    plain, without = gate_cumsum(g, gate, seqs=packed(cu, T)), packed(cu, T, skip_single=True)
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
-    skipped = gate_cumsum(g, gate, seqs=seqs, skip_single=True)
+    skipped = gate_cumsum(g, gate, seqs=without)
     single = torch.tensor([n == 1 for n in lens for _ in range(n)])
     assert skipped[:, single].isnan().all() and not plain[:, single].isnan().any()
     assert torch.equal(skipped[:, ~single], plain[:, ~single])

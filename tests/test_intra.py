@@ -107,19 +107,18 @@ def test_intra_packed_sequences(lens, gate, l2norm):
 
 
 def test_intra_skips_single_token_sequences():
-    """skip_single (a plan that routes one-token sequences to kda_opt/decode): their q/k norms are not
-    written (NaN where the buffer starts as NaN), and every other row of Aqk, Tm and the norms is as
-    without it, bit for bit."""
+    """A table without the one-token sequences (packed(skip_single=True), as a plan that routes them
+    to kda_opt/decode builds it): their q/k norms are not written (NaN where the buffer starts as
+    NaN), and every other row of Aqk, Tm and the norms is as with the whole table, bit for bit."""
     lens = [1, 63, 1, 65, 1, 3]
     x = stage_inputs(1, sum(lens), 1, 64, HV=2, gate="safe", device=kernel_device(), seed=4)
     cu, _, gcum = packed_gamma(x, lens)
-    seqs = packed(cu.to(kernel_device()), sum(lens))
     single = torch.tensor([n == 1 for n in lens for _ in range(n)])
     outs = []
     for skip in (False, True):
         norms = torch.full((2, 1, 1, sum(lens)), float("nan"), device=kernel_device())
-        Aqk, Tm = intra_chunk(x["q"], x["k"], gcum, x["beta"], 0.125, gate_bounded=True, l2norm=True, seqs=seqs,
-                              qk_rstd=norms, skip_single=skip)
+        Aqk, Tm = intra_chunk(x["q"], x["k"], gcum, x["beta"], 0.125, gate_bounded=True, l2norm=True, seqs=packed(
+            cu.to(kernel_device()), sum(lens), skip_single=skip), qk_rstd=norms)
         outs.append((Aqk[:, ~single], Tm[:, ~single], norms[..., ~single], norms[..., single]))
     (Aqk, Tm, rest, ones), (sAqk, sTm, s_rest, s_ones) = outs
     assert torch.equal(sAqk, Aqk) and torch.equal(sTm, Tm) and torch.equal(s_rest, rest)

@@ -32,6 +32,21 @@ def test_chunk_table(lens, dtype):
     assert rows[len(used):] == [(-1, 0)] * (len(rows) - len(used))   # spare slots
 
 
+@pytest.mark.parametrize("lens", [[1, 63, 1, 65, 130, 0, 1], [1, 1], [200, 1, 1, 1]])
+@pytest.mark.parametrize("counted", [False, True])
+def test_chunk_table_without_single_tokens(lens, counted):
+    """skip_single: the one-token sequences own no slot; with the chunks counted on the host
+    (sequence_counts) the table holds exactly the others' chunks (one spare slot where none)."""
+    cu = torch.tensor([0, *lens]).cumsum(0)
+    counts = sequence_counts(cu, True)
+    seqs = packed(cu.to(kernel_device()), sum(lens), skip_single=True, chunks=counts.chunks if counted else None)
+    rows = [tuple(r) for r in seqs.chunk_indices.cpu().tolist()]
+    used = [(n, c) for n, c in host_table(lens) if lens[n] != 1]
+    assert counts.chunks == len(used)
+    assert seqs.chunk_slots == (max(len(used), 1) if counted else triton.cdiv(sum(lens), CHUNK) + len(lens) - 1)
+    assert rows[:len(used)] == used and rows[len(used):] == [(-1, 0)] * (len(rows) - len(used))
+
+
 def test_chunk_table_many_sequences():
     """More sequences than one block of the offsets scan, more slots than one search program."""
     gen = torch.Generator().manual_seed(0)
@@ -70,12 +85,12 @@ def test_longest_first(lens):
 
 @pytest.mark.parametrize("decoded", [False, True])
 def test_sequence_counts(decoded):
-    """(longer than a chunk, at most a chunk) from the host copy; where decoded, the one-token
+    """(longer than a chunk, at most a chunk, chunks) from the host copy; where decoded, the one-token
     sequences are not counted (the decode kernel's); empty sequences are short (stage 4 passes their
-    states on)."""
+    states on) and own no chunk."""
     cu = torch.tensor([0, 1, 1, 65, 130, 131, 431, 495])             # 1, 0, 64, 65, 1, 300, 64 tokens
-    assert sequence_counts(cu, decoded) == (2, 3 if decoded else 5)
-    assert sequence_counts(torch.tensor([0, 1, 2]), decoded) == (0, 0 if decoded else 2)
+    assert sequence_counts(cu, decoded) == ((2, 3, 9) if decoded else (2, 5, 11))
+    assert sequence_counts(torch.tensor([0, 1, 2]), decoded) == ((0, 0, 0) if decoded else (0, 2, 2))
 
 
 @pytest.mark.parametrize("size", [CHUNK, 512])

@@ -11,6 +11,7 @@ from kda_opt import kda_forward
 from kda_opt.forward import RUN_TENSORS, run
 from kda_opt.plan import Tuning, make_plan
 from kda_opt.reference import reference_forward
+from kda_opt.schedules import packed_pieces
 from tests.conftest import gpu, rel_err
 from tests.test_op import DEFAULTS
 
@@ -402,6 +403,26 @@ def test_sized_launches_are_full_in_a_cuda_graph():
     graph.replay()
     o_eager, _ = kda_forward(**new)
     assert torch.equal(o, o_eager) and torch.equal(static["initial_state"], new["initial_state"])
+
+
+@gpu
+@pytest.mark.parametrize("first", ["cut", "one pass"])
+def test_calls_of_one_plan_cut_and_not(first):
+    """One plan's calls (kda_forward's plan and compiled kernels, made once per signature), one with
+    a sequence long enough for the parallel cut (its one-token sequences on stage 4) and one
+    without (routed to the decode kernel, left out of stages 1–3's table), in either order: each
+    equal bit for bit to its call on a plan of its own, through the JIT."""
+    extra = first == "one pass"             # another T: another signature, another plan
+    calls = {"cut": [1, 65600, 1, 100 + extra], "one pass": [1, 32800, 1, 32900 + extra]}
+    calls = {name: random_inputs(1, sum(lens), 2, 128, seqlens=lens, seed=20, initial_state=True,
+                                 **CALLS["flashkda"]) for name, lens in calls.items()}
+    for name, call in calls.items():
+        plan = make_plan(**call)
+        assert (packed_pieces(plan, call["cu_seqlens_cpu"]) is not None) == (name == "cut") and plan.decode
+    alone = {name: run(make_plan(**call), **{n: call.get(n) for n in RUN_TENSORS}) for name, call in calls.items()}
+    for name in (first, *(n for n in calls if n != first)):
+        o, s = kda_forward(**calls[name])
+        assert torch.equal(o, alone[name][0]) and torch.equal(s, alone[name][1]), name
 
 
 @gpu
