@@ -252,10 +252,9 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
         cut = None if plan.parallel else packed_pieces(plan, cu_seqlens_cpu)
         one_pass = not plan.parallel and cut is None and len(plan.segments) == 1
         routed = one_pass and plan.decode is not None     # its sequences of one token through kda_opt/decode
-        # The launches sized from the host lengths; a CUDA graph replays its launches on other lengths,
-        # so captured they cover every sequence.
-        counts = sequence_counts(cu_seqlens_cpu, routed) \
-            if one_pass and plan.sized_launches and not torch.cuda.is_current_stream_capturing() else None
+        # Launches sized from the host lengths, but not in a graph (replayed on other lengths).
+        sized = one_pass and plan.sized_launches and not torch.cuda.is_current_stream_capturing()
+        counts = sequence_counts(cu_seqlens_cpu, routed) if sized else None
         seqs = rows = None
         if plan.checkpoint_offsets:
             seqs, rows = launch("seqs", phased, cu_seqlens, checkpoint_offsets, plan.T, plan.checkpoint_every, kernels)
