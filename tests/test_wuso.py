@@ -244,10 +244,11 @@ def test_short_launch_without_one_token_sequences_keeps_its_resources(call):
          pool=(300, torch.int32, True)),
     dict(seqs=(64, torch.int32), sequences=EVERY_SEQUENCE, checkpoints=torch.float32, checkpoint_first=True)])
 def test_ordered_programs_keep_their_resources(call):
-    """Programs in longest_first's order (ORDERED: one more index load per program) keep the
-    launch's registers and stack frame."""
+    """Programs in longest_first's order (ORDERED: one more index load per program) take no more
+    registers or stack than the launch in grid order."""
     ordered = resources(cubin(torch.bfloat16, 128, True, True, **call, ordered=True))
-    assert ordered == resources(cubin(torch.bfloat16, 128, True, True, **call)), ordered
+    plain = resources(cubin(torch.bfloat16, 128, True, True, **call))
+    assert ordered[0] <= plain[0] and ordered[1] <= plain[1], (ordered, plain)
 
 
 @pytest.mark.parametrize("call", [
