@@ -233,7 +233,7 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
     kernels (kda_opt/launch; None: every launch through the JIT). made: stages 1–3's outputs over
     these tokens, computed before (Prepared; a plan of one time segment, without checkpoint offsets).
     cu_seqlens_cpu: the host copy, from which packed sequences are cut where plan.parallel_cut says
-    and stage 4's launches sized where plan.sized_launches does."""
+    and the stages' launches sized where plan.sized_launches says."""
     ranges = nvtx_enabled()
     launch = launch or (annotated if ranges else direct)
     q, k, v, g, beta, initial_state, A_log, dt_bias = _as_read(plan, q, k, v, g, beta, initial_state, A_log, dt_bias)

@@ -7,7 +7,9 @@ A per-chunk grid has one slot per chunk. Packed, Σ cdiv(len_n, C) ≤ cdiv(T, C
 slots cover any lengths; chunk_indices [slots, 2] names each slot's (sequence, chunk in it), (−1, 0)
 for a spare one, and is built on the device from cu_seqlens by two small kernels (no host sync):
 offsets = [0, cumsum(cdiv(len_n, C))], then a binary search of offsets per slot (FLA builds the same
-table, prepare_chunk_indices, on the host). A per-sequence grid (stage 4) reads cu_seqlens directly,
+table, prepare_chunk_indices, on the host). Sequences of one token that kda_opt/decode computes may
+own no slot (skip_single), and where the caller gives the lengths on the host (sequence_counts) the
+grid has exactly as many slots as chunks. A per-sequence grid (stage 4) reads cu_seqlens directly,
 optionally in the order longest_first gives: the sequences by descending chunk count, so that a grid
 of more programs than SMs starts its longest ones first (longest-processing-time-first list scheduling).
 """
