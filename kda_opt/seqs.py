@@ -38,12 +38,12 @@ class Counts(NamedTuple):
 
 def sequence_counts(cu_seqlens_cpu: torch.Tensor, skip_single: bool) -> Counts:
     """From the host copy cu_seqlens_cpu [N + 1]; skip_single: the sequences of one token are left
-    out of every count (kda_opt/decode computes them)."""
+    out of every count (kda_opt/decode computes them): each is one short sequence and one chunk."""
     lengths = cu_seqlens_cpu.diff()
-    if skip_single:
-        lengths = lengths[lengths != 1]
     long = int((lengths > CHUNK).sum())
-    return Counts(long, lengths.numel() - long, int(lengths.add(CHUNK - 1).div(CHUNK, rounding_mode="floor").sum()))
+    single = int((lengths == 1).sum()) if skip_single else 0
+    chunks = int(lengths.add(CHUNK - 1).div(CHUNK, rounding_mode="floor").sum())
+    return Counts(long, lengths.numel() - long - single, chunks - single)
 
 
 @dataclass(frozen=True)
