@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kda_opt.decode import kda_decode, run
-from kda_opt.plan import DecodePlan, make_decode_plan
+from kda_opt.plan import DECODE_PROGRAMS, DecodePlan, make_decode_plan
 from kda_opt.reference import ERROR_FLOOR, reference_decode
 from tests.conftest import HAS_CUDA, gpu, kernel_device, rel_err
 
@@ -173,14 +173,20 @@ def test_plan_reads_and_writes():
     assert plan(slots=None, indices=None, inplace=False, state=False).read == 0
 
 
-def test_launch_widens_with_the_batch_of_fp32_states():
-    """16 columns by one warp for a small step and for 16-bit pools; 64 by two warps once every SM
-    has DECODE_PROGRAMS programs of an fp32 pool."""
-    assert (plan(N=1, indices=[0]).block_v, plan(N=1, indices=[0]).num_warps) == (16, 1)
-    big = dict(N=2048, indices=list(range(2048)), slots=2048)
-    assert (plan(**big).block_v, plan(**big).num_warps) == (64, 4)
-    assert (plan(**big, v_first=True).block_v, plan(**big, v_first=True).num_warps) == (64, 2)
-    assert (plan(**big, pool_dtype=torch.bfloat16).block_v, plan(**big, pool_dtype=torch.bfloat16).num_warps) == (16, 1)
+def test_launch_follows_the_layout_and_the_batch():
+    """16 columns by one warp for a small step and for V-first 16-bit pools; K-first states 64 columns
+    by four warps once every SM has a program; V-first fp32 ones 64 by two warps once every SM has
+    DECODE_PROGRAMS programs."""
+    def launch(N, **changes):
+        p = plan(N=N, indices=list(range(N)), slots=N, **changes)
+        return p.block_v, p.num_warps
+    # 2N (request, value head) pairs of one 64-column block each (H = 2, V = 64).
+    edge = DECODE_PROGRAMS * SMS // 2
+    assert launch(1) == (16, 1)
+    assert launch(SMS // 2) == (64, 4) and launch(SMS // 2 - 1) == (16, 1)
+    assert launch(SMS // 2, pool_dtype=torch.bfloat16) == (64, 4)
+    assert launch(edge, v_first=True) == (64, 2) and launch(edge - 1, v_first=True) == (16, 1)
+    assert launch(edge, v_first=True, pool_dtype=torch.bfloat16) == (16, 1)
 
 
 def bad(**changes):
