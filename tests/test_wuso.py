@@ -245,10 +245,16 @@ def test_short_launch_without_one_token_sequences_keeps_its_resources(call):
     dict(seqs=(64, torch.int32), sequences=EVERY_SEQUENCE, checkpoints=torch.float32, checkpoint_first=True)])
 def test_ordered_programs_keep_their_resources(call):
     """Programs in longest_first's order (ORDERED: one more index load per program) take no more
-    registers or stack than the launch in grid order."""
+    registers than the launch in grid order, and no more stack than its frame varies between
+    compiles (STACK_JITTER)."""
     ordered = resources(cubin(torch.bfloat16, 128, True, True, **call, ordered=True))
     plain = resources(cubin(torch.bfloat16, 128, True, True, **call))
-    assert ordered[0] <= plain[0] and ordered[1] <= plain[1], (ordered, plain)
+    assert ordered[0] <= plain[0] and ordered[1] <= plain[1] + STACK_JITTER, (ordered, plain)
+
+
+# Bytes by which one long-launch kernel's stack frame differs between compiles: tileiras 13.4 gave the
+# second call above 48 or 56 B from one CI pass to the next, ordered or in grid order alike.
+STACK_JITTER = 8
 
 
 @pytest.mark.parametrize("call", [
