@@ -686,18 +686,19 @@ def decode_launch(heads: int, V: int, state_itemsize: int, v_first: bool, sms: i
     """kda_decode's (V columns, warps) per program of (request, value head): a step is the state's
     bytes (kda_opt/decode), and what it leaves to hide is the reductions over K of each token. The
     fastest measured (docs/DESIGN.md, Decode), on `heads` (request, value head) pairs:
-    - K-first states (a block's columns dense in memory): 64 columns by 4 warps wherever that gives
-      every SM a program (16 columns are 64-byte pieces of 128 rows; 64 by 2 warps spills);
-    - V-first fp32 states: 64 columns by 2 warps (each thread 128 of the block's elements) where that
-      gives every SM DECODE_PROGRAMS programs;
+    - K-first states (a block's columns dense in memory): 64 columns by 2 warps (each thread 128 of
+      the block's elements) wherever that gives every SM a program (16 columns are 64-byte pieces of
+      128 rows);
+    - V-first fp32 states: 64 columns by 2 warps where that gives every SM DECODE_PROGRAMS programs;
     - otherwise, and for V-first 16-bit states, 16 columns by one warp (the reductions within the
       warp, and more programs to spread a small step)."""
-    blocks = heads * (V // 64)
-    if not v_first and blocks >= sms:
-        return 64, 4
-    if v_first and state_itemsize == 4 and blocks >= DECODE_PROGRAMS * sms:
-        return 64, 2
-    return 16, 1
+    if not v_first:
+        enough = sms
+    elif state_itemsize == 4:
+        enough = DECODE_PROGRAMS * sms
+    else:
+        return 16, 1
+    return (64, 2) if heads * (V // 64) >= enough else (16, 1)
 
 
 DECODE_PROGRAMS = 32

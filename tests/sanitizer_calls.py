@@ -109,9 +109,9 @@ CALLS = {
     "decode, dense states, final states": lambda: kda_decode(**{
         **decode_call([1, 3, 0, 2], None, 0), "initial_state": torch.randn(4, H, K, K, device="cuda"),
         "output_final_state": True}),
-    # kda_opt/plan's decode_launch: 64 columns by 4 warps (K-first) once every SM has a block of 64,
-    # 64 by 2 (V-first fp32) once every SM has DECODE_PROGRAMS of them.
-    "decode, 64 columns by 4 warps: K-first, a bf16 pool": lambda: kda_decode(**decode_call(
+    # kda_opt/plan's decode_launch: 64 columns by 2 warps, K-first once every SM has a block of 64,
+    # V-first fp32 once every SM has DECODE_PROGRAMS of them.
+    "decode, 64 columns by 2 warps: K-first, a bf16 pool": lambda: kda_decode(**decode_call(
         [1] * SMS, torch.randperm(SMS + 8)[:SMS], SMS + 8, dtype=torch.bfloat16)),
     "decode, 64 columns by 2 warps: V-first, an fp32 pool": lambda: kda_decode(**decode_call(
         [1] * WIDE, torch.randperm(WIDE + 8)[:WIDE], WIDE + 8, v_first=True)),

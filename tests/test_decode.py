@@ -174,8 +174,8 @@ def test_plan_reads_and_writes():
 
 
 def test_launch_follows_the_layout_and_the_batch():
-    """16 columns by one warp for a small step and for V-first 16-bit pools; K-first states 64 columns
-    by four warps once every SM has a program; V-first fp32 ones 64 by two warps once every SM has
+    """16 columns by one warp for a small step and for V-first 16-bit pools; 64 by two warps for
+    K-first states once every SM has a program, for V-first fp32 ones once every SM has
     DECODE_PROGRAMS programs."""
     def launch(N, **changes):
         p = plan(N=N, indices=list(range(N)), slots=N, **changes)
@@ -183,8 +183,8 @@ def test_launch_follows_the_layout_and_the_batch():
     # 2N (request, value head) pairs of one 64-column block each (H = 2, V = 64).
     edge = DECODE_PROGRAMS * SMS // 2
     assert launch(1) == (16, 1)
-    assert launch(SMS // 2) == (64, 4) and launch(SMS // 2 - 1) == (16, 1)
-    assert launch(SMS // 2, pool_dtype=torch.bfloat16) == (64, 4)
+    assert launch(SMS // 2) == (64, 2) and launch(SMS // 2 - 1) == (16, 1)
+    assert launch(SMS // 2, pool_dtype=torch.bfloat16) == (64, 2)
     assert launch(edge, v_first=True) == (64, 2) and launch(edge - 1, v_first=True) == (16, 1)
     assert launch(edge, v_first=True, pool_dtype=torch.bfloat16) == (16, 1)
 
@@ -259,16 +259,29 @@ VARIANTS = [
          HAS_BIAS=False), dict(READ=0, WRITE=0, MODE=2, K=64, V=64, BV=16, H=8, HV=16, num_warps=1)]
 
 
+# The integer arguments of Kimi's decode call at H = HV = 32, K = V = 128 on [N] slots (packed tokens
+# [1, N, heads, channels], a pool of dense rows). At a launch Triton specialises each integer it may
+# (the kernel's do_not_specialize aside) by its value, 1 as a constant and a multiple of 16 as such,
+# and each pointer as 16-byte aligned: what lets the state's loads and stores be 16-byte vectors.
+STRIDES = dict(SQT=32 * 128, SQH=128, SKT=32 * 128, SKH=128, SVT=32 * 128, SVH=128, SGT=32 * 128, SGH=128, SBT=32,
+               SBH=1, SOT=32 * 128, SOH=128, S_IN=32 * 128 * 128, S_OUT=32 * 128 * 128, S_IDX=1)
+
+
 def sm90_cubin(num_warps=2, **changes):
-    """decode_kernel compiled for sm_90 with Kimi's decode call's constants, changed by `changes`
-    (Triton's JIT, not its interpreter: see sm90_resources)."""
+    """decode_kernel compiled for sm_90 with Kimi's decode call's constants, changed by `changes`,
+    specialised as a launch with STRIDES specialises it (Triton's JIT, not its interpreter: see
+    sm90_resources)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from kda_opt.decode import decode_kernel
-    signature = {p.name: "constexpr" if p.is_constexpr else POINTERS.get(p.name)
-                 or ("fp32" if p.name in ("scale", "lower_bound") else "i64") for p in decode_kernel.params}
-    kernel = triton.compile(ASTSource(decode_kernel, signature, {**KIMI_DECODE, **changes}),
+    params = decode_kernel.params
+    constants = {**KIMI_DECODE, **changes, **{n: 1 for n, x in STRIDES.items() if x == 1}}
+    signature = {p.name: "constexpr" if p.is_constexpr or p.name in constants else POINTERS.get(p.name)
+                 or ("fp32" if p.name in ("scale", "lower_bound") else "i64") for p in params}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if signature[p.name] != "constexpr"
+               and (p.name in POINTERS or STRIDES.get(p.name, 1) % 16 == 0)}
+    kernel = triton.compile(ASTSource(decode_kernel, signature, constants, aligned),
                             target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
     return kernel.asm["cubin"]
 
