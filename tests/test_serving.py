@@ -313,6 +313,38 @@ def test_checkpoint_offsets(call, ck_dtype, every):
 ORDERED_LENS = [1, 300, 5, 64, 65, 0, 130, 1, 200, 17] * 10
 
 
+def on_a_pool(args, rows, holes=0, index_dtype=torch.int64):
+    """args (H = 2, K = V = 128) made a pool call: an fp32 pool of `rows` random rows at shuffled
+    slots, every `holes`-th slot −1 (0: none), written in place (no final states returned)."""
+    N = args["cu_seqlens"].shape[0] - 1
+    slots = torch.randperm(rows, device="cuda")[:N].to(index_dtype)
+    if holes:
+        slots[::holes] = -1
+    args.update(initial_state=torch.randn(rows, 2, 128, 128, device="cuda"), initial_state_indices=slots,
+                output_final_state=False)
+    return args
+
+
+def assert_knob_changes_nothing(knob, args, checkpoint_rows=None):
+    """The call under Tuning(knob=True) and Tuning(knob=False), each plan asserted to take it, each
+    run on its own copy of the initial state (a pool: written) and, with checkpoint_rows, on its own
+    checkpoint buffer of that many rows and one more, filled with 7: o, the final states, the state
+    and the checkpoints equal bit for bit."""
+    results = []
+    for on in (True, False):
+        call = {**args, "initial_state": args["initial_state"].clone()}
+        if checkpoint_rows is not None:
+            call["checkpoints"] = torch.full((1, checkpoint_rows + 1, 2, 128, 128), 7.0, device="cuda")
+        plan = make_plan(**call, tuning=Tuning(**{knob: on}))
+        assert getattr(plan, knob) == on
+        o, s = run(plan, **{n: call.get(n) for n in RUN_TENSORS})
+        results.append((o, s, call["initial_state"], call.get("checkpoints")))
+    (o1, s1, p1, c1), (o0, s0, p0, c0) = results
+    assert torch.equal(o1, o0) and torch.equal(p1, p0)
+    assert s0 is None or torch.equal(s1, s0)
+    assert c0 is None or torch.equal(c1, c0)
+
+
 @gpu
 @pytest.mark.parametrize("how", ["pool", "checkpoint offsets"])
 def test_longest_first_equals_grid_order(how):
@@ -324,27 +356,12 @@ def test_longest_first_equals_grid_order(how):
     args = random_inputs(1, sum(lens), 2, 128, seqlens=lens, seed=16, initial_state=how != "pool",
                          **CALLS["flashkda"])
     if how == "pool":
-        slots = torch.randperm(120, device="cuda")[:len(lens)]
-        slots[::9] = -1
-        args.update(initial_state=torch.randn(120, 2, 128, 128, device="cuda"), initial_state_indices=slots,
-                    output_final_state=False)
-    else:
-        firsts = [1 + (7 * n) % 128 for n in range(len(lens))]
-        rows = sum(0 if n == 0 else 1 + -(-max(n - f, 0) // 128) for n, f in zip(lens, firsts))
-        args.update(checkpoint_every=128, checkpoint_offsets=torch.tensor(firsts, device="cuda"))
-    results = []
-    for ordered in (True, False):
-        call = {**args, "initial_state": args["initial_state"].clone()}
-        if how != "pool":
-            call["checkpoints"] = torch.full((1, rows + 1, 2, 128, 128), 7.0, device="cuda")
-        plan = make_plan(**call, tuning=Tuning(longest_first=ordered))
-        assert plan.longest_first == ordered
-        o, s = run(plan, **{n: call.get(n) for n in RUN_TENSORS})
-        results.append((o, s, call["initial_state"], call.get("checkpoints")))
-    (o1, s1, p1, c1), (o0, s0, p0, c0) = results
-    assert torch.equal(o1, o0) and torch.equal(p1, p0)
-    assert s0 is None or torch.equal(s1, s0)
-    assert c0 is None or torch.equal(c1, c0)
+        assert_knob_changes_nothing("longest_first", on_a_pool(args, 120, holes=9))
+        return
+    firsts = [1 + (7 * n) % 128 for n in range(len(lens))]
+    args.update(checkpoint_every=128, checkpoint_offsets=torch.tensor(firsts, device="cuda"))
+    rows = sum(0 if n == 0 else 1 + -(-max(n - f, 0) // 128) for n, f in zip(lens, firsts))
+    assert_knob_changes_nothing("longest_first", args, checkpoint_rows=rows)
 
 
 SIZED_MIXES = {"both launches, ordered": ORDERED_LENS, "no short one": [1] * 150 + [300, 200],
@@ -362,20 +379,9 @@ def test_sized_launches_equal_full_ones(mix, pool):
     lens = SIZED_MIXES[mix]
     args = random_inputs(1, sum(lens), 2, 128, seqlens=lens, seed=17, initial_state=not pool, **CALLS["flashkda"])
     if pool:
-        slots = torch.randperm(len(lens) + 40, device="cuda")[:len(lens)]
-        slots[::7] = -1
-        args.update(initial_state=torch.randn(len(lens) + 40, 2, 128, 128, device="cuda"),
-                    initial_state_indices=slots, output_final_state=False)
-    results = []
-    for sized in (True, False):
-        call = {**args, "initial_state": args["initial_state"].clone()}
-        plan = make_plan(**call, tuning=Tuning(sized_launches=sized))
-        assert plan.sized_launches == sized and plan.longest_first == (mix != "grid order, no short one")
-        o, s = run(plan, **{n: call.get(n) for n in RUN_TENSORS})
-        results.append((o, s, call["initial_state"]))
-    (o1, s1, p1), (o0, s0, p0) = results
-    assert torch.equal(o1, o0) and torch.equal(p1, p0)
-    assert s0 is None or torch.equal(s1, s0)
+        on_a_pool(args, len(lens) + 40, holes=7)
+    assert make_plan(**args).longest_first == (mix != "grid order, no short one")
+    assert_knob_changes_nothing("sized_launches", args)
 
 
 @gpu
@@ -385,9 +391,7 @@ def test_sized_launches_are_full_in_a_cuda_graph():
     ones where it had two) equals the eager call on them."""
     def call(lens, seed):
         args = random_inputs(1, sum(lens), 2, 128, seqlens=lens, seed=seed, **CALLS["flashkda"])
-        args.update(initial_state=torch.randn(200, 2, 128, 128, device="cuda"), output_final_state=False,
-                    initial_state_indices=torch.randperm(200, device="cuda")[:len(lens)].int())
-        return args
+        return on_a_pool(args, 200, index_dtype=torch.int32)
     static, new = call([1] * 150 + [300, 200], 18), call([1] * 147 + [2, 2, 100, 200, 199], 19)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
