@@ -538,7 +538,8 @@ def write_plot(rows, path, title, config="default"):
     import matplotlib.pyplot as plt
     rows = [r for r in ({**ROW_DEFAULTS, **r} for r in rows) if r["config"] == config]
     peer_rows = [r for r in rows if r["flashkda_ms"] != NOT_RUN]
-    fig, ax = plt.subplots(figsize=(8, 4) if peer_rows else (7, 4), dpi=80)
+    # Bars: about 0.7 inch per case, so that a full sweep's labels do not overlap.
+    fig, ax = plt.subplots(figsize=(max(8, 0.7 * len(peer_rows)), 4.5) if peer_rows else (7, 4), dpi=80)
     (plot_cases if peer_rows else plot_scaling)(ax, peer_rows or rows, config)
     ax.set_title(title)
     fig.tight_layout()
