@@ -174,7 +174,7 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                                          tuning.max_segments, align)
     # (With checkpoint offsets a sequence of one chunk may be cut in two: stage 4's own launches.)
     short_sequences = packed and tuning.short_sequences and checkpoint_offsets is None
-    one_pass = packed and len(segments) == 1 and not parallel     # stage 4 once over the sequences
+    packed_one_pass = packed and len(segments) == 1 and not parallel     # stage 4 once over the sequences
     return Plan(
         B=B, T=T, H=H, K=K, HV=HV, V=V, N=N, dtype=q.dtype,
         scale=K ** -0.5 if scale is None else scale,
@@ -194,11 +194,11 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         # Ordered where stage 4 runs in waves: list scheduling longest first (the SMs take programs in
         # grid order) ends its waves together, and a mixed step's prefills start before its decodes'
         # empty programs.
-        longest_first=one_pass and tuning.longest_first and N * HV * (V // block_v) > sms and N <= RANK_MAX,
+        longest_first=packed_one_pass and tuning.longest_first and N * HV * (V // block_v) > sms and N <= RANK_MAX,
         # Stages 1–2 over the chunks there are, stage 4 without a launch that has no sequence of its
         # kind and its ordered long launch over the long sequences only: a program that would end at
         # once still costs its launch (stage 4's: one CTA per SM at a time).
-        sized_launches=one_pass and short_sequences and tuning.sized_launches and cu_seqlens_cpu is not None,
+        sized_launches=packed_one_pass and short_sequences and tuning.sized_launches and cu_seqlens_cpu is not None,
         intra_warps=tuning.intra_warps or warps_for(q.dtype), worker_warps=tuning.worker_warps,
         decode=_routed_decodes(Sizes(B, T, H, K, HV, V, N), scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
                                lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, initial_state,
