@@ -196,6 +196,28 @@ def test_sweep_rows_merge(tmp_path):
         (2048, "safe", 0.25), (4096, "safe", 0.5), (2048, "softplus", 0.5)]
 
 
+def test_resumed_sweep_measures_only_the_cases_missing_from_its_csv(tmp_path, monkeypatch, capsys):
+    """--resume skips every case with a row in the CSV and measures the rest (run again: none); without
+    it, every case runs again."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(peers, "fla_chunk_kda", lambda: (lambda **a: None))
+    monkeypatch.setattr(bench, "measure_ceilings", lambda: (1e12, 1e12))
+    monkeypatch.setattr(bench, "write_plot", lambda *a, **kw: None)
+    measured, times = [], dict(fla_ms=2.0, kda_opt_ms=1.0, speedup=2.0, tbps=1.0, tflops=1.0)
+    monkeypatch.setattr(bench, "benchmark", lambda c, *a: measured.append(c) or dict(c.columns, **times))
+    argv = ["--sweep", "--sweep-rows", "load", "--config", "flashkda", "--out-dir", str(tmp_path)]
+    cases = bench.sweep_cases(bench.parse_args(argv))
+    bench.write_csv([dict(cases[1].columns, **{**times, "kda_opt_ms": 2.0})], tmp_path / "benchmark_h200.csv")
+    assert bench.main(argv + ["--resume"]) == 0
+    assert measured == cases[:1] + cases[2:] and "1 of 5 cases already" in capsys.readouterr().out
+    rows = bench.read_csv(tmp_path / "benchmark_h200.csv")
+    assert sorted(r["kda_opt_ms"] for r in rows) == [1.0] * 4 + [2.0]
+    measured.clear()
+    assert bench.main(argv + ["--resume"]) == 0 and measured == []
+    assert bench.main(argv) == 0 and measured == cases
+
+
 def test_varlen_options():
     c = bench.case_from_args(bench.parse_args(["--varlen", "--num-seqs", "5", "--seq-len", "300", "--num-heads", "4"]))
     assert c.B == 1 and len(c.seqlens) == 5 and all(64 <= n <= 300 for n in c.seqlens) and c.T == sum(c.seqlens)

@@ -102,6 +102,13 @@ class Case:
                 + (f"_{self.decay}" if self.decay != "fast" else "")
                 + (f"_{DTYPE_NAMES[self.dtype]}" if self.dtype != torch.bfloat16 else ""))
 
+    @property
+    def columns(self):
+        """The case as its sweep row names it (the CSV's first columns, ROW_KEY among them)."""
+        return dict(B=self.B, T=self.T, H=self.H, K=self.K, V=self.K, mode=self.gate, varlen=len(self.seqlens or ()),
+                    config=self.config, initial_state=int(self.initial_state), decay=self.decay,
+                    dtype=DTYPE_NAMES[self.dtype])
+
     def trimmed(self, T):
         """The case cut to its first T tokens (packed: the first sequences, the last one cut)."""
         if T >= self.T:
@@ -169,6 +176,9 @@ def parse_args(argv=None):
                         "serving step with a state pool, SERVING_STEPS: kda_bench/serving); dtypes (the "
                         "default shape with bf16 and with fp32 q, k, v: --dtype is then not used); load "
                         "(prefill under load: LOAD_SHAPES, then LOAD_PACKED)")
+    p.add_argument("--resume", action="store_true",
+                   help="--sweep: skip the cases that already have a row in the CSV, so that the same command, "
+                        "run again, measures only what an interrupted sweep left")
     p.add_argument("--out-dir", default="profiles", help="where --sweep and --test host write their CSV (and PNG)")
     args = p.parse_args(argv)
     if args.chunk_size != 64:
@@ -396,9 +406,7 @@ def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
     bw, rate = ceilings
     nbytes, flops = min_bytes(c), min_flops(c)
     cost = lambda base, over: 100 * (ms[over] / ms[base] - 1) if base in ms and over in ms else NOT_RUN
-    row = dict(B=c.B, T=c.T, H=c.H, K=c.K, V=c.K, mode=c.gate, varlen=len(c.seqlens or ()), config=c.config,
-               initial_state=int(c.initial_state), decay=c.decay, dtype=DTYPE_NAMES[c.dtype],
-               fla_ms=ms["fla"], kda_opt_ms=ours_ms, speedup=ms["fla"] / ours_ms,
+    row = dict(**c.columns, fla_ms=ms["fla"], kda_opt_ms=ours_ms, speedup=ms["fla"] / ours_ms,
                kda_opt_no_state_ms=ms.get("kda_opt_no_state", NOT_RUN),
                state_cost_pct=cost("kda_opt_no_state", "kda_opt"),
                kda_opt_dense_ms=ms.get("kda_opt_dense", NOT_RUN), pool_cost_pct=cost("kda_opt_dense", "kda_opt"),
@@ -516,11 +524,16 @@ def read_csv(path):
         return [{k: parse(v) for k, v in r.items()} for r in csv.DictReader(f)]
 
 
+def row_key(r):
+    """The case a CSV row (or Case.columns) is of; missing columns from ROW_DEFAULTS."""
+    r = {**ROW_DEFAULTS, **r}
+    return tuple(r[k] for k in ROW_KEY)
+
+
 def merge_rows(old, new):
     """old rows with those of the same case replaced by new ones, sorted by config, mode, varlen, H, B, T."""
-    key = lambda r: tuple(r[k] for k in ROW_KEY)
-    merged = {key(r): r for r in ({**ROW_DEFAULTS, **r} for r in old)}
-    merged.update({key(r): r for r in ({**ROW_DEFAULTS, **r} for r in new)})
+    merged = {row_key(r): {**ROW_DEFAULTS, **r} for r in old}
+    merged.update({row_key(r): {**ROW_DEFAULTS, **r} for r in new})
     return sorted(merged.values(), key=lambda r: (r["config"], r["mode"], -r["initial_state"], str(r["decay"]),
                                                   r["varlen"], r["H"], r["B"], r["T"], r["dtype"]))
 
@@ -643,6 +656,11 @@ def main(argv=None) -> int:
                + ("" if args.decay == "fast" else f"_{args.decay}") + ".png")
         plotted = lambda rows: [r for r in rows if (r["initial_state"], r["decay"]) == (int(args.initial_state), args.decay)]
         rows = read_csv(base + ".csv")
+        if args.resume:
+            done = {row_key(r) for r in rows}
+            todo = [c for c in cases if row_key(c.columns) not in done]
+            print(f"--resume: {len(cases) - len(todo)} of {len(cases)} cases already in {base}.csv")
+            cases = todo
         for i, c in enumerate(cases, 1):
             print(f"[{i}/{len(cases)}] {c.label}", flush=True)
             rows = merge_rows(rows, [benchmark(c, fla, args.warmup, args.rep, ceilings)])
