@@ -532,8 +532,7 @@ def row_key(r):
 
 def merge_rows(old, new):
     """old rows with those of the same case replaced by new ones, sorted by config, mode, varlen, H, B, T."""
-    merged = {row_key(r): {**ROW_DEFAULTS, **r} for r in old}
-    merged.update({row_key(r): {**ROW_DEFAULTS, **r} for r in new})
+    merged = {row_key(r): {**ROW_DEFAULTS, **r} for r in (*old, *new)}    # a new row replaces its case's old one
     return sorted(merged.values(), key=lambda r: (r["config"], r["mode"], -r["initial_state"], str(r["decay"]),
                                                   r["varlen"], r["H"], r["B"], r["T"], r["dtype"]))
 
