@@ -27,7 +27,7 @@ import torch
 from .gate import gate_cumsum
 from .intra import intra_chunk
 from .decode import decode
-from .launch import Kernels, annotated, direct, nvtx_enabled
+from .launch import Kernels, annotated, direct, nvtx_enabled, one_allocation
 from .options import CHUNK
 from .plan import Plan, Tuning, make_plan, plan_for
 from .schedules import final_states, packed_pieces, parallel, parallel_packed, pipelined, units
@@ -100,8 +100,10 @@ def kda_forward(
             is read (no pass of its own).
         allow_neg_eigval: ``β = 2 · sigmoid(beta)``, in (0, 2), so that ``I − β k kᵀ`` may have
             negative eigenvalues; needs ``use_beta_sigmoid_in_kernel`` (as in FLA).
-        A_log: ``[HV]`` float32 per-head decay rate (gate in kernel only).
-        dt_bias: ``[HV · K]`` float32 per-channel bias (gate in kernel only; optional).
+        A_log: ``[HV]`` per-head decay rate (gate in kernel only), any float dtype: read as float32
+            where it is used, so a model's bf16 parameter costs no conversion.
+        dt_bias: ``[HV · K]`` per-channel bias (gate in kernel only; optional), any float dtype, read
+            as A_log is.
         safe_gate: promise that ``a ≥ lower_bound`` with ``lower_bound ∈ [−5, 0)``, which lets the
             intra-chunk products run on tensor cores in 16-bit. With ``use_gate_in_kernel`` it
             requires ``lower_bound``.
@@ -287,16 +289,17 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
 
 def _as_read(plan: Plan, q, k, v, g, beta, initial_state, A_log, dt_bias):
     """The inputs as the stages read them: contiguous copies where the plan says so (g and a dense
-    initial state always; a pool is read and written where it is), A_log and dt_bias as fp32 where
-    the gate is activated in kernel (else None)."""
+    initial state always; a pool is read and written where it is), A_log and dt_bias contiguous
+    where the gate is activated in kernel (else None), in their own dtype: stage 1 reads them as fp32,
+    so a model's bf16 parameters cost no conversion."""
     if plan.copied:
         q, k, v, beta = (x.contiguous() if n in plan.copied else x for n, x in zip(("q", "k", "v", "beta"), (q, k, v, beta)))
     g = g.contiguous()
     if initial_state is not None and not plan.state_pool:
         initial_state = initial_state.contiguous()
     if plan.gate.in_kernel:
-        A_log = None if A_log is None else A_log.to(torch.float32).contiguous()
-        dt_bias = None if dt_bias is None else dt_bias.to(torch.float32).contiguous()
+        A_log = None if A_log is None else A_log.contiguous()
+        dt_bias = None if dt_bias is None else dt_bias.contiguous()
     else:
         A_log = dt_bias = None
     return q, k, v, g, beta, initial_state, A_log, dt_bias
@@ -358,12 +361,14 @@ def _checkpoint_rows(plan: Plan, checkpoints, seqs, kernels):
 def _stages_1_to_3(plan: Plan, launch, kernels, q, k, g, beta, seqs=None, *, A_log, dt_bias):
     """Stages 1–3 over q, k, g, beta [B, T, ...] (seqs: their layout, whose chunks they compute;
     None: B sequences of T tokens): Γ, Aqk, Tm, β's residual r [B, HV, T] (plan.beta_residual, else
-    None) and the q/k norms [2, B, H, T] (plan.l2norm, else None)."""
+    None) and the q/k norms [2, B, H, T] (plan.l2norm, else None), views of one allocation."""
     B, T, H, _ = q.shape
-    r = q.new_empty((B, plan.HV, T), dtype=torch.float32) if plan.beta_residual else None
-    rstd = q.new_empty((2, B, H, T), dtype=torch.float32) if plan.l2norm else None   # 1 / ‖q‖, 1 / ‖k‖
-    gcum = launch("gate", gate_cumsum, g, plan.gate, A_log, dt_bias, seqs, kernels=kernels)
-    Aqk, Tm = launch("intra", intra_chunk, q, k, gcum, beta, plan.scale, gate_bounded=plan.gate.bounded,
-                     seqs=seqs, l2norm=plan.l2norm, beta_sigmoid=plan.beta_sigmoid, beta_residual=r, qk_rstd=rstd,
-                     num_warps=plan.intra_warps, kernels=kernels)
+    gcum, Aqk, Tm, r, rstd = one_allocation(
+        q.device, ((B, T, plan.HV, plan.K), torch.float32), ((B, T, plan.HV, CHUNK), q.dtype),
+        ((B, T, plan.HV, CHUNK), k.dtype), ((B, plan.HV, T), torch.float32) if plan.beta_residual else None,
+        ((2, B, H, T), torch.float32) if plan.l2norm else None)   # 1 / ‖q‖, 1 / ‖k‖
+    launch("gate", gate_cumsum, g, plan.gate, A_log, dt_bias, seqs, out=gcum, kernels=kernels)
+    launch("intra", intra_chunk, q, k, gcum, beta, plan.scale, gate_bounded=plan.gate.bounded,
+           seqs=seqs, l2norm=plan.l2norm, beta_sigmoid=plan.beta_sigmoid, beta_residual=r, qk_rstd=rstd,
+           num_warps=plan.intra_warps, out=(Aqk, Tm), kernels=kernels)
     return gcum, Aqk, Tm, r, rstd

@@ -5,7 +5,7 @@
     a = g                                                    (gate not activated in kernel)
     Γ_t = Σ_{s ≤ t in t's chunk} max(a_s, floor) / ln 2      (log2 units: later stages use exp2)
 floor = −24 ln 2 (kda_opt/options.LOG_DECAY_FLOOR): a decay below 2^-24 per token counts as 2^-24.
-In: g [B, T, HV, K] (any float dtype), A_log [HV] fp32, dt_bias [HV·K] fp32.  Out: Γ [B, T, HV, K] fp32.
+In: g [B, T, HV, K], A_log [HV], dt_bias [HV·K] (any float dtypes, read as fp32).  Out: Γ [B, T, HV, K] fp32.
 Chunks start at each sequence's first token (kda_opt/seqs: fixed-length or packed sequences).
 """
 import torch
@@ -75,21 +75,21 @@ def gate_mode(gate: GateConfig):
 
 
 def gate_cumsum(g: torch.Tensor, gate: GateConfig, A_log=None, dt_bias=None, seqs: Seqs | None = None, *,
-                kernels: Kernels | None = None):
+                out: torch.Tensor | None = None, kernels: Kernels | None = None):
     """Γ = chunk-local cumsum of the activated gate, in log2 units: [B, T, HV, K] float32. A_log,
-    dt_bias: fp32, contiguous, or None. seqs: the sequence layout (kda_opt/seqs); None is B
-    sequences of T tokens; rows of no chunk in it are left unwritten. kernels: the plan's compiled
-    kernels (kda_opt/launch), or None."""
+    dt_bias: contiguous, of any float dtype (read as fp32), or None. seqs: the sequence layout
+    (kda_opt/seqs); None is B sequences of T tokens; rows of no chunk in it are left unwritten. out:
+    Γ's storage, a contiguous fp32 tensor (None: a new one). kernels: the plan's compiled kernels
+    (kda_opt/launch), or None."""
     B, T, HV, K = g.shape
     seqs = seqs or fixed(T)
-    gcum = torch.empty(B, T, HV, K, dtype=torch.float32, device=g.device)
+    gcum = torch.empty(B, T, HV, K, dtype=torch.float32, device=g.device) if out is None else out
     # Plain integer arithmetic: triton.cdiv and next_power_of_2 cost microseconds a call in Python.
     BK = min(64, 1 << (K - 1).bit_length())
-    grid = (B * HV, seqs.chunk_slots, -(-K // BK))
+    # gate_cumsum_kernel's parameters in order (by name they cost the launch a dict).
     triton_launch(
-        gate_cumsum_kernel, grid, kernels,
-        g=g, A_log=A_log, dt_bias=dt_bias, gcum=gcum, cu_seqlens=seqs.cu_seqlens, chunk_indices=seqs.chunk_indices,
-        T=T, lower_bound=float(gate.lower_bound or 0.0), HV=HV, K=K, C=CHUNK, BK=BK,
-        MODE=gate_mode(gate), HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, PACKED=seqs.packed,
+        gate_cumsum_kernel, (B * HV, seqs.chunk_slots, -(-K // BK)), kernels,
+        g, A_log, dt_bias, gcum, seqs.cu_seqlens, seqs.chunk_indices, T, float(gate.lower_bound or 0.0),
+        HV, K, CHUNK, BK, gate_mode(gate), A_log is not None, dt_bias is not None, seqs.packed,
     )
     return gcum

@@ -9,6 +9,7 @@ So kda_opt/forward gives each plan a `Kernels` table: a kernel's first launch un
 through the JIT (which compiles it, or finds it in its caches) and keeps the compiled kernel; later
 launches hand the arguments straight to its launcher.
 """
+import math
 import os
 
 import nvtx
@@ -31,8 +32,11 @@ def triton_launch(fn, grid, kernels: Kernels | None, *params, num_warps: int = 4
             kernels[fn] = kernel
         return
     g = tuple(grid) + (1,) * (3 - len(grid))
+    # Tensors as their addresses: the launcher then neither calls data_ptr nor asks the driver whether
+    # each address is a device one (the plan has checked every tensor's device).
     kernel.run(g[0], g[1], g[2], current_stream(), kernel.function, kernel.packed_metadata, None, None, None,
-               *(params or [args[name] for name in fn.arg_names]))
+               *[x.data_ptr() if isinstance(x, torch.Tensor) else x
+                 for x in (params or [args[name] for name in fn.arg_names])])
 
 
 def _launch_hooks() -> bool:
@@ -44,6 +48,37 @@ def _launch_hooks() -> bool:
 def current_stream() -> int:
     """The current CUDA stream of the current device, as a raw handle (what Triton's JIT launches on)."""
     return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+
+
+# Each buffer of one_allocation starts on a multiple of this many bytes, as a fresh allocation does
+# (the kernels are compiled for 16-byte aligned pointers, and cuTile may specialise on more).
+BUFFER_ALIGN = 512
+
+
+def one_allocation(device: torch.device, *buffers):
+    """Contiguous tensors of the given (shape, dtype)s (None: None) as views of one allocation on
+    `device`, each at a BUFFER_ALIGN boundary: one allocation costs the host what each would."""
+    offsets, total = [], 0
+    for buffer in buffers:
+        offsets.append(total)
+        if buffer is not None:
+            shape, dtype = buffer
+            total += -(-math.prod(shape) * dtype.itemsize // BUFFER_ALIGN) * BUFFER_ALIGN
+    storage = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
+    typed = {}
+    views = []
+    for buffer, offset in zip(buffers, offsets):
+        if buffer is None:
+            views.append(None)
+            continue
+        shape, dtype = buffer
+        if dtype not in typed:
+            typed[dtype] = storage.view(dtype)
+        strides = [1] * len(shape)
+        for d in range(len(shape) - 2, -1, -1):
+            strides[d] = strides[d + 1] * shape[d + 1]
+        views.append(typed[dtype].as_strided(shape, strides, offset // dtype.itemsize))
+    return views
 
 
 NVTX_VARIABLE = "KDA_OPT_NVTX"

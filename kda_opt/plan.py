@@ -711,6 +711,14 @@ def decode_plan_for(arguments: dict) -> tuple[DecodePlan, Kernels]:
     return _cached(None if key is None else ("decode", *key), lambda: make_decode_plan(**arguments))[0]
 
 
+def decode_checks(arguments: dict) -> None:
+    """make_decode_plan's checks of kda_decode's arguments (every one by name), made once per call
+    signature (as plan_for; the launch choices are not needed, nor the device checks, which the call's
+    own plan makes): raises as they do."""
+    key = _signature(arguments, DECODE_TENSORS, DECODE_OPTIONS)
+    _cached(None if key is None else ("checked", *key), lambda: make_decode_plan(**arguments, sms=1))
+
+
 def _check_pad_slot(pad_slot, indices):
     """pad_slot: None, or a slot of the pool (a non-negative int) where slot indices are given."""
     if pad_slot is None:

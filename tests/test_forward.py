@@ -78,6 +78,18 @@ def test_forward_matches_fla_and_is_as_accurate(gate):
 
 
 @gpu
+@pytest.mark.parametrize("gate", ["safe", "softplus"])
+def test_gate_parameters_in_a_model_dtype(gate):
+    """A bf16 model's A_log and dt_bias, passed as they are: the same call, bit for bit, as their
+    values in fp32 (stage 1 reads them as fp32; nothing is converted before the launches)."""
+    args = random_inputs(1, 300, 4, 128, gate=gate, initial_state=True, seed=4, l2norm=True)
+    half = {n: args[n].bfloat16() for n in ("A_log", "dt_bias")}
+    o, s = kda_forward(**{**args, **half})
+    o_f, s_f = kda_forward(**{**args, **{n: x.float() for n, x in half.items()}})
+    assert torch.equal(o, o_f) and torch.equal(s, s_f)
+
+
+@gpu
 def test_no_final_state_and_default_scale():
     args = random_inputs(1, 100, 2, 64, output_final_state=False)
     o, s = kda_forward(**args)

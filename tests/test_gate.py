@@ -132,3 +132,16 @@ def test_gate_gpu(mode, dtype, T):
 def test_gate_bounded(config, bounded):
     """Only the sigmoid gate in kernel with lower_bound in [−5, 0] lets stage 2 skip its span check."""
     assert config.bounded is bounded
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", ["sigmoid", "softplus"])
+def test_gate_parameters_read_in_their_own_dtype(mode, dtype):
+    """A_log and dt_bias of a 16-bit dtype (a bf16 model's parameters) are read as fp32 in the kernel:
+    the same Γ as the same values passed as fp32, bit for bit, with no conversion before the launch."""
+    gate = MODES[mode][0]
+    gen = torch.Generator().manual_seed(5)
+    dev = kernel_device()
+    g = (3 * torch.randn(1, 70, 2, 32, generator=gen)).to(dev)
+    A_log, dt_bias = torch.randn(2, generator=gen).to(dev, dtype), torch.randn(64, generator=gen).to(dev, dtype)
+    assert torch.equal(gate_cumsum(g, gate, A_log, dt_bias), gate_cumsum(g, gate, A_log.float(), dt_bias.float()))
