@@ -13,7 +13,7 @@ import torch
 
 from . import decode, forward
 from .options import CHUNK
-from .plan import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, batch_entry_extent, make_decode_plan
+from .plan import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, batch_entry_extent, decode_checks
 from .wuso import INT32_MAX
 
 # chunk_kda's keywords past its named parameters that kda_opt takes; any other keyword is left to FLA.
@@ -85,8 +85,8 @@ def _backend_class():
                 return False, "B > 1 with a batch entry of 2^31 elements or more"
             if cp_context is not None:
                 return False, "context parallelism (cp_context)"
-            if return_intermediate_states:
-                return False, "return_intermediate_states=True"
+            if return_intermediate_states and kwargs.get("initial_state_indices") is not None:
+                return False, "return_intermediate_states with a state pool (initial_state_indices)"
             # FLA's graph mode has its own contract (cu_seqlens padded to max_num_seqs + 1, rows past
             # the real tokens undefined); kda_opt needs none of it, but the call stays FLA's.
             if use_graph:
@@ -100,19 +100,68 @@ def _backend_class():
                       allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
                       return_intermediate_states=False, state_v_first=False, cu_seqlens=None,
                       cu_seqlens_cpu=None, cp_context=None, use_graph=False, max_num_seqs=None, **kwargs):
-            """kda_forward on chunk_kda's arguments; returns (o, final_state) as chunk_kda does."""
+            """kda_forward on chunk_kda's arguments; returns (o, final_state) as chunk_kda does, and
+            the states before each chunk with return_intermediate_states (intermediate_states)."""
             # chunk_kda ignores A_log and dt_bias without the gate in kernel; kda_forward rejects them.
             A_log, dt_bias = (kwargs.get("A_log"), kwargs.get("dt_bias")) if use_gate_in_kernel else (None, None)
+            passed = {name: kwargs[name] for name in PASSED_WHEN_GIVEN if name in kwargs}
+            if return_intermediate_states:
+                if cu_seqlens is not None and cu_seqlens_cpu is None:
+                    cu_seqlens_cpu = cu_seqlens.cpu()   # the rows' count: a synchronisation, as in FLA's own path
+                h, passed["checkpoints"] = intermediate_states(q, k, v, cu_seqlens_cpu, state_v_first)
             # Looked up through the module at each call, so that tests can stand in for kda_forward.
-            return forward.kda_forward(
+            o, final = forward.kda_forward(
                 q, k, v, g, beta, scale, initial_state, output_final_state,
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                 use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
                 A_log=A_log, dt_bias=dt_bias, safe_gate=safe_gate, lower_bound=lower_bound,
-                state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                **{name: kwargs[name] for name in PASSED_WHEN_GIVEN if name in kwargs})
+                state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, **passed)
+            if not return_intermediate_states:
+                return o, final
+            first_rows(h, initial_state, kwargs.get("has_initial_state"), cu_seqlens)
+            return o, final, h
 
     return KdaOptBackend
+
+
+def intermediate_states(q, k, v, cu_seqlens_cpu, v_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, checkpoints): FLA's intermediate states h [B, NT, HV, K, V] ([..., V, K] V-first) in k's
+    dtype, row j of a sequence its state before its chunk j (NT = cdiv(T, 64); packed, B = 1 and the
+    rows of sequence n from Σ_{m<n} cdiv(len_m, 64), from the host copy cu_seqlens_cpu), and the
+    buffer kda_forward writes its checkpoints into: the same storage one row on, so that the state
+    after chunk j lands in the row before chunk j + 1. Each sequence's last checkpoint lands in the
+    next sequence's first row (or a spare row past h), which first_rows then writes."""
+    B, T, HV, V = v.shape
+    K = q.shape[-1]
+    if cu_seqlens_cpu is None:
+        rows = B * -(-T // CHUNK)
+    else:
+        rows = int(cu_seqlens_cpu.diff().add(CHUNK - 1).div(CHUNK, rounding_mode="floor").sum())
+    row = (V, K) if v_first else (K, V)
+    flat = k.new_empty((rows + 1, HV, *row))
+    return flat[:rows].view(B, rows // B, HV, *row), flat[1:].view(B, rows // B, HV, *row)
+
+
+def first_rows(h: torch.Tensor, initial_state, has_initial_state, cu_seqlens) -> None:
+    """Writes each sequence's row before its first chunk in h (intermediate_states): its initial
+    state in h's dtype, zeros without one (or where has_initial_state is false)."""
+    starts = None if initial_state is None else initial_state.to(h.dtype)
+    if starts is not None and has_initial_state is not None:
+        starts = torch.where(has_initial_state.view(-1, 1, 1, 1), starts, 0)
+    if cu_seqlens is None:
+        h[:, 0] = 0 if starts is None else starts
+        return
+    # Packed (B = 1): sequence n's row Σ_{m<n} cdiv(len_m, 64), counted on the device; a sequence of
+    # no token has none and writes the spare row past h (its storage's last).
+    rows = h.shape[1]
+    whole = h.as_strided((rows + 1, *h.shape[2:]), h.stride()[1:])
+    lengths = cu_seqlens.diff()
+    chunks = lengths.add(CHUNK - 1).div(CHUNK, rounding_mode="floor")
+    first = torch.where(lengths > 0, chunks.cumsum(0) - chunks, rows)
+    if starts is None:
+        whole.index_fill_(0, first, 0)
+    else:
+        whole.index_copy_(0, first, starts)
 
 
 @functools.cache
@@ -146,8 +195,7 @@ def _decode_backend_class():
                 return False, f"needs a CUDA GPU of compute capability 9.x, q is on {q.device}"
             if ssm_state_indices is not None and output_final_state and not inplace_final_state:
                 return False, "per-token final states (ssm_state_indices, output_final_state, not in place)"
-            # (Its launch choices are not needed here, nor its device checks, which kda_decode's plan makes.)
-            make_decode_plan(**_decode_arguments(locals()), sms=1)
+            decode_checks({**_decode_arguments(locals()), "pad_slot": None})
             return True, None
 
         def fused_recurrent_kda_fwd(self, q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None,

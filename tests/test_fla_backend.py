@@ -95,7 +95,8 @@ def test_verifier_accepts_kimi_call_and_options(backend, on_hopper):
                     dict(K=64), dict(V=64)):
         assert backend.chunk_kda_verifier(**kimi_call(**changes)) == (True, None), changes
     for extra in (dict(disable_recompute=True), dict(chunk_size=64), dict(transpose_state_layout=True),
-                  dict(initial_state_indices=None), dict(has_initial_state=None), dict(state_v_first=True)):
+                  dict(initial_state_indices=None), dict(has_initial_state=None), dict(state_v_first=True),
+                  dict(return_intermediate_states=True)):
         assert backend.chunk_kda_verifier(**kimi_call(), **extra) == (True, None), extra
 
 
@@ -124,7 +125,7 @@ def test_verifier_rejects_shapes_and_dtypes(backend, on_hopper, changes, words):
 
 @pytest.mark.parametrize("extra,words", [
     (dict(cp_context=object()), "cp_context"),
-    (dict(return_intermediate_states=True), "return_intermediate_states"),
+    (dict(return_intermediate_states=True, initial_state_indices=torch.tensor([0])), "return_intermediate_states"),
     (dict(use_graph=True), "use_graph"),
     (dict(use_graph=True, max_num_seqs=4), "use_graph"),
     (dict(chunk_size=32), "chunk_size 32"),
@@ -184,6 +185,56 @@ def test_gate_parameters_dropped_without_gate_in_kernel(registry, on_hopper, rec
     assert kwargs["A_log"] is None and kwargs["dt_bias"] is None
 
 
+def checkpoints_writer(monkeypatch):
+    """kda_forward stood in for by one that writes checkpoint row r of sequence n (its state after
+    chunk r) as the value 1000·n + r + 1, and returns ("o", "final_state")."""
+    def write(q, k, v, g, beta, *args, cu_seqlens=None, checkpoints=None, **kwargs):
+        if cu_seqlens is None:
+            for b in range(q.shape[0]):
+                for r in range(checkpoints.shape[1]):
+                    checkpoints[b, r] = 1000 * b + r + 1
+        else:
+            row = 0
+            for n, (t0, t1) in enumerate(zip(cu_seqlens.tolist(), cu_seqlens[1:].tolist())):
+                for r in range(-(-(t1 - t0) // 64)):
+                    checkpoints[0, row] = 1000 * n + r + 1
+                    row += 1
+        return "o", "final_state"
+    monkeypatch.setattr(forward, "kda_forward", write)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("state", ["none", "dense", "masked"])
+def test_intermediate_states_are_the_states_before_each_chunk(registry, on_hopper, monkeypatch, packed, state):
+    # FLA's h: row j of a sequence its state before chunk j (its initial state in row 0), in k's dtype,
+    # packed sequences' rows one after another (an empty sequence has none).
+    checkpoints_writer(monkeypatch)
+    lengths = [130, 0, 64, 1] if packed else [130, 130]
+    N, T = len(lengths), sum(lengths) if packed else 130
+    call = kimi_call(device="cpu", B=1 if packed else N, T=T, V=64)
+    call["initial_state"] = torch.randn(N, 2, 128, 64) if state != "none" else None
+    extra = {}
+    if packed:
+        cu = torch.tensor([0, *lengths]).cumsum(0)
+        extra = dict(cu_seqlens=cu, cu_seqlens_cpu=cu)
+    mask = torch.tensor([True, False] * (N // 2))
+    if state == "masked":
+        extra["has_initial_state"] = mask
+    o, final, h = chunk_kda(**call, **extra, return_intermediate_states=True)
+    assert (o, final) == ("o", "final_state") and h.dtype == call["k"].dtype
+    expected, rows = [], []
+    for n, length in enumerate(lengths):
+        start = torch.zeros(2, 128, 64) if state == "none" or state == "masked" and not mask[n] \
+            else call["initial_state"][n]
+        chunks = -(-length // 64)
+        rows += [start.to(h.dtype)] * (chunks > 0) + [torch.full((2, 128, 64), 1000 * n + r + 1.0) for r in range(chunks - 1)]
+        if not packed:
+            expected.append(torch.stack(rows))
+            rows = []
+    expected = torch.stack(expected) if not packed else torch.stack(rows)[None]
+    assert h.shape == expected.shape and torch.equal(h, expected.to(h.dtype))
+
+
 # ---- GPU: chunk_kda's result is kda_forward's ----
 
 @gpu
@@ -206,6 +257,25 @@ def test_chunk_kda_is_kda_forward_on_gpu(registry, monkeypatch):
         o_fla, state_fla = chunk_kda(**call)
     assert len(calls) == 1                                          # FLA's own path ran
     assert rel_err(o_fla, o_ours) < 1e-2 and rel_err(state_fla, state_ours) < 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("packed", [False, True])
+def test_intermediate_states_match_fla_on_gpu(registry, monkeypatch, packed):
+    torch.manual_seed(0)
+    lengths = (200, 64, 1, 130) if packed else (300, 300)
+    N = len(lengths)
+    call = kimi_call(device="cuda", B=1 if packed else N, T=sum(lengths) if packed else 300, H=4)
+    call["initial_state"] = torch.randn(N, 4, 128, 128, device="cuda")
+    call["state_v_first"] = True
+    if packed:      # no host copy: the rows' count is read from the device, as FLA does
+        call["cu_seqlens"] = torch.tensor([0, *lengths], device="cuda").cumsum(0)
+    with torch.inference_mode():
+        o, final, h = chunk_kda(**call, return_intermediate_states=True)
+        monkeypatch.setenv("FLA_KDA_OPT", "0")
+        o_fla, final_fla, h_fla = chunk_kda(**call, return_intermediate_states=True)
+    assert h.shape == h_fla.shape and h.dtype == h_fla.dtype
+    assert rel_err(h, h_fla) < 1e-2 and rel_err(o, o_fla) < 1e-2 and rel_err(final, final_fla) < 1e-2
 
 
 # ---- the decode kernel: fused_recurrent_kda_fwd ----
