@@ -136,6 +136,40 @@ def test_csv_roundtrip(tmp_path):
     assert list(rows[0]) == bench.CSV_FIELDS and float(rows[0]["speedup"]) == 3.6
 
 
+def test_model_refuses_without_flas_models(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(peers, "fla_chunk_kda", lambda: object())
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "fla.models" else real(name))
+    assert bench.main(["--test", "model"]) == 2
+    assert "flash-linear-attention" in capsys.readouterr().err
+
+
+def test_model_systems_switch_flas_dispatch_and_restore_it(monkeypatch):
+    from kda_bench import model
+    monkeypatch.setenv("FLA_KDA_OPT", "7")
+    for system, value in (("kda_opt", "1"), ("fla", "0")):
+        with model.system(system):
+            assert model.os.environ["FLA_KDA_OPT"] == value
+        assert model.os.environ["FLA_KDA_OPT"] == "7"
+    monkeypatch.delenv("FLA_KDA_OPT")
+    with model.system("fla"):
+        pass
+    assert "FLA_KDA_OPT" not in model.os.environ
+
+
+def test_model_prompts_and_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    from kda_bench import model
+    ids, mask = model.prompts(3, 300, True, device="cpu")
+    assert ids.shape == (3, 300) and mask.sum(1).tolist() == [300, 200, 100] and mask[:, -1].all()
+    assert model.prompts(2, 8, False, device="cpu")[1] is None
+    rows = [dict(gate=g, phase=p, B=B, T=T, padded=pad, fla_ms=2.0, kda_opt_ms=1.0, speedup=2.0, tokens_match=True)
+            for g in model.GATES for p, B, T, pad in model.ROWS]
+    model.plot(rows, tmp_path / "m.png", "a GPU")
+    assert 0 < (tmp_path / "m.png").stat().st_size < 200_000
+
+
 def test_plot_is_small(tmp_path):
     pytest.importorskip("matplotlib")
     rows = [dict(B=1, T=t, H=32, K=128, V=128, mode=m, fla_ms=t / 1000, kda_opt_ms=t / 3000, speedup=3.0)
@@ -168,7 +202,7 @@ def test_plot_before_any_h32_row(tmp_path, recwarn):
     assert not [w for w in recwarn if "legend" in str(w.message)]
 
 
-@pytest.mark.parametrize("test", ["naive", "fla", "benchmark", "all", "host", "cp", "decode"])
+@pytest.mark.parametrize("test", ["naive", "fla", "benchmark", "all", "host", "cp", "decode", "model"])
 def test_refuses_without_gpu(monkeypatch, capsys, test):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench.main(["--test", test]) == 2

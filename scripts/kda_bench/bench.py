@@ -12,12 +12,15 @@ Entry point: `python scripts/test.py ...`.
     --test decode     decode, speculative verify and mixed steps: kda_decode / kda_forward, FLA's decode
                       kernel, FlashKDA's folded call, the copy floor (kda_bench/decode)
                       → <out-dir>/decode_<gpu>.csv
+    --test model      FLA's own KDA model (fla.models.KDAForCausalLM) step by step, as FLA ships it and
+                      with kda_opt registered (kda_bench/model) → <out-dir>/model_<gpu>.csv/.png
 Exit code: 0 when every check passes, 1 when a correctness check fails, 2 when the machine cannot
 run the request (no GPU, no fla-core).
 """
 import argparse
 import csv
 import dataclasses
+import importlib.util
 import itertools
 import math
 import os
@@ -131,7 +134,8 @@ class Case:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="scripts/test.py", description=__doc__.splitlines()[0])
-    p.add_argument("--test", choices=["naive", "fla", "benchmark", "all", "host", "cp", "decode"], default="all")
+    p.add_argument("--test", choices=["naive", "fla", "benchmark", "all", "host", "cp", "decode", "model"],
+                   default="all")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--num-heads", type=int, default=96)
@@ -612,8 +616,10 @@ def main(argv=None) -> int:
         from . import cp
         return cp.main_across_ranks(args.out_dir)
     fla = peers.fla_chunk_kda()
-    if fla is None and (args.sweep or args.test in ("fla", "benchmark", "all", "host", "cp", "decode")):
+    if fla is None and (args.sweep or args.test in ("fla", "benchmark", "all", "host", "cp", "decode", "model")):
         return refuse(f"--test {args.test} needs fla-core (pip install 'kda-opt[bench]')")
+    if args.test == "model" and importlib.util.find_spec("fla.models") is None:
+        return refuse("--test model needs FLA's models (pip install 'kda-opt[bench]': flash-linear-attention)")
     from triton import __version__ as triton_version
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton_version}, "
           f"FLA_FLASH_KDA={os.environ.get('FLA_FLASH_KDA')}")
@@ -637,6 +643,14 @@ def main(argv=None) -> int:
             print(f"{r['mode']:>6} {r['requests']:>5} {r['H']:>3} {r['tokens_per_request']:>2} {r['prefill_tokens']:>7} "
                   f"{r['state_dtype']:>5} " + " ".join(f"{c:8.3f}" if isinstance(c, float) else f"{c:>8}" for c in cells))
         return 0
+    if args.test == "model":
+        from . import model
+        rows = model.model_rows(args.out_dir)
+        print(f"\n{'gate':>8} {'phase':>14} {'B':>3} {'T':>5} {'padded':>6} {'FLA ms':>8} {'ours ms':>8} {'speedup':>7} tokens")
+        for r in rows:
+            print(f"{r['gate']:>8} {r['phase']:>14} {r['B']:>3} {r['T']:>5} {str(r['padded']):>6} {r['fla_ms']:8.3f} "
+                  f"{r['kda_opt_ms']:8.3f} {r['speedup']:7.2f} {r['tokens_match']}")
+        return 0 if all(r["tokens_match"] for r in rows) else 1
     if args.test == "cp":
         from . import cp
         rows = cp.cp_rows(fla, args.out_dir, args.warmup, args.rep)

@@ -1,0 +1,192 @@
+"""A model's steps (`--test model`, docs/BENCHMARKING.md): FLA's own KDA model (flash-linear-attention's
+`KDAForCausalLM`), small, with random seeded weights, run as FLA ships it and with kda_opt registered
+(`kda_opt.use_in_fla()`), the two taking turns in one process. What a user sees before any kernel row:
+every step pays the host's time around the kernels as well as their GPU time.
+
+    model     hidden 2048, 32 heads of 128 (K = V = 128), 2 layers, vocab 4096, bf16; the gate as the
+              layer computes it: softplus (FLA's default), or sigmoid with lower_bound −5 (safe gate)
+    prefill   one forward over a batch of prompts with no cache, the states kept (use_cache)
+    cached    a 500-token chunk into a cache that already holds a 500-token prompt
+    decode    one greedy step, the median of DECODE_STEPS steps after a 128-token prompt
+    padded    a left-padded batch (an attention mask: packed sequences in the layer), prefill and decode
+Each step is timed from its call to the GPU's end (a synchronisation before and after), the median of
+REPEATS; the logits of the last position only (logits_to_keep=1), as a server asks. tokens_match: the
+greedy tokens of the two runs are identical (prefill: each prompt's next token; decode: every step's).
+FLA's own path is selected by FLA_KDA_OPT=0, which FLA's dispatch reads on every call.
+Written to <out-dir>/model_<gpu>.csv and .png.
+"""
+import contextlib
+import copy
+import os
+import statistics
+import time
+
+import torch
+
+from .bench import gpu_tag, show, write_rows
+
+CONFIG = dict(hidden_size=2048, num_heads=32, head_dim=128, num_hidden_layers=2, vocab_size=4096)
+GATES = {"softplus": dict(), "safe": dict(safe_gate=True, lower_bound=-5.0)}
+REPEATS, DECODE_STEPS, PROMPT = 10, 24, 128
+# (phase, B, T, left-padded): T is the prompt's tokens (prefill), the chunk's (cached: a prompt of as
+# many tokens before it) or 1 (decode, after a PROMPT-token prompt).
+ROWS = [("prefill", 2, 1000, False), ("prefill", 1, 4096, False), ("prefill", 1, 8192, False),
+        ("cached_prefill", 2, 500, False), ("decode", 2, 1, False), ("decode", 64, 1, False),
+        ("prefill", 2, 1000, True), ("decode", 2, 1, True)]
+FIELDS = ["gate", "phase", "B", "T", "padded", "fla_ms", "kda_opt_ms", "speedup", "tokens_match"]
+SYSTEMS = ("fla", "kda_opt")
+
+
+def build(gate: str):
+    """The model in bf16 on the GPU, in eval mode, with weights drawn from seed 0."""
+    from fla.models import KDAConfig, KDAForCausalLM
+    torch.manual_seed(0)
+    model = KDAForCausalLM(KDAConfig(**CONFIG, **GATES[gate]))
+    return model.to("cuda", torch.bfloat16).eval()
+
+
+@contextlib.contextmanager
+def system(name: str):
+    """FLA's dispatch sends its KDA calls to kda_opt ("kda_opt") or keeps them ("fla")."""
+    before = os.environ.get("FLA_KDA_OPT")
+    os.environ["FLA_KDA_OPT"] = "1" if name == "kda_opt" else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("FLA_KDA_OPT")
+        else:
+            os.environ["FLA_KDA_OPT"] = before
+
+
+def prompts(B: int, T: int, padded: bool, seed: int = 0, device="cuda"):
+    """(input_ids [B, T], attention_mask or None): random tokens; padded: request b's prompt is
+    T − 100·b tokens long, left-padded (mask 0 before it)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, CONFIG["vocab_size"], (B, T), generator=gen).to(device)
+    if not padded:
+        return ids, None
+    mask = torch.ones(B, T, dtype=torch.long)
+    for b in range(B):
+        mask[b, :100 * b] = 0
+    return ids, mask.to(device)
+
+
+def timed(f) -> tuple[float, object]:
+    """(ms from the call to the GPU's end, f's result)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = f()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3, out
+
+
+def forward(model, ids, mask=None, cache=None):
+    """One step: (next greedy tokens [B], the cache)."""
+    out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1].argmax(-1), out.past_key_values
+
+
+def prefill_row(model, B, T, padded):
+    """{system: (ms per repeat, tokens)} of a prefill with no cache, the systems in turns."""
+    ids, mask = prompts(B, T, padded)
+    times, tokens = {s: [] for s in SYSTEMS}, {}
+    for _ in range(REPEATS):
+        for s in SYSTEMS:
+            with system(s):
+                ms, (tokens[s], _) = timed(lambda: forward(model, ids, mask))
+            times[s].append(ms)
+    return {s: (times[s], tokens[s]) for s in SYSTEMS}
+
+
+def cached_row(model, B, T):
+    """{system: (ms per repeat, tokens)} of a T-token chunk into a cache holding a T-token prompt,
+    each repeat from a copy of that cache (made untimed), the systems in turns."""
+    first, _ = prompts(B, T, False, seed=1)
+    ids, _ = prompts(B, T, False, seed=2)
+    caches = {}
+    for s in SYSTEMS:
+        with system(s):
+            caches[s] = forward(model, first)[1]
+    times, tokens = {s: [] for s in SYSTEMS}, {}
+    for _ in range(REPEATS):
+        for s in SYSTEMS:
+            cache = copy.deepcopy(caches[s])
+            with system(s):
+                ms, (tokens[s], _) = timed(lambda: forward(model, ids, cache=cache))
+            times[s].append(ms)
+    return {s: (times[s], tokens[s]) for s in SYSTEMS}
+
+
+def decode_row(model, B, padded):
+    """{system: (ms per step, tokens [B, DECODE_STEPS + 1])}: greedy steps after a PROMPT-token
+    prompt, each system's whole run in turn, REPEATS // 5 runs each."""
+    ids, mask = prompts(B, PROMPT, padded)
+    times, tokens = {s: [] for s in SYSTEMS}, {}
+    for _ in range(max(REPEATS // 5, 1)):
+        for s in SYSTEMS:
+            with system(s):
+                step, cache = forward(model, ids, mask)
+                steps, m = [step], mask
+                for _ in range(DECODE_STEPS):
+                    m = None if m is None else torch.cat((m, m.new_ones(B, 1)), 1)
+                    ms, (step, cache) = timed(lambda: forward(model, step[:, None], m, cache))
+                    times[s].append(ms)
+                    steps.append(step)
+            tokens[s] = torch.stack(steps, 1)
+    return {s: (times[s], tokens[s]) for s in SYSTEMS}
+
+
+def model_rows(out_dir, gates=tuple(GATES)):
+    """Measures every row of ROWS for each gate, writes <out_dir>/model_<gpu>.csv (and the plot) and
+    returns the rows."""
+    import kda_opt
+    kda_opt.use_in_fla()
+    rows = []
+    with torch.inference_mode():
+        for gate in gates:
+            model = build(gate)
+            for phase, B, T, padded in ROWS:
+                # Once each first: FLA's autotuning and the JIT stay out of the timings.
+                if phase == "prefill":
+                    run = lambda: prefill_row(model, B, T, padded)
+                elif phase == "cached_prefill":
+                    run = lambda: cached_row(model, B, T)
+                else:
+                    run = lambda: decode_row(model, B, padded)
+                run()
+                results = run()
+                ms = {s: statistics.median(times) for s, (times, _) in results.items()}
+                row = dict(gate=gate, phase=phase, B=B, T=T, padded=padded, fla_ms=ms["fla"],
+                           kda_opt_ms=ms["kda_opt"], speedup=ms["fla"] / ms["kda_opt"],
+                           tokens_match=bool(torch.equal(results["fla"][1], results["kda_opt"][1])))
+                show(row)
+                rows.append(row)
+            del model
+    write_rows(rows, out_dir, "model", FIELDS)
+    plot(rows, os.path.join(out_dir, f"model_{gpu_tag()}.png"), torch.cuda.get_device_name())
+    return rows
+
+
+def plot(rows, path, gpu: str):
+    """FLA's time over kda_opt's per row (above 1: kda_opt faster), a bar per row and gate; `gpu`
+    names the GPU in the title."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = [f"{r['phase']}\nB={r['B']} T={r['T']}{' padded' if r['padded'] else ''}" for r in rows
+              if r["gate"] == rows[0]["gate"]]
+    gates = list(dict.fromkeys(r["gate"] for r in rows))
+    fig, ax = plt.subplots(figsize=(1.3 * len(labels) + 2, 4))
+    width = 0.8 / len(gates)
+    for i, gate in enumerate(gates):
+        speedups = [r["speedup"] for r in rows if r["gate"] == gate]
+        ax.bar([x + i * width for x in range(len(speedups))], speedups, width, label=gate)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + width * (len(gates) - 1) / 2 for x in range(len(labels))], labels, fontsize=7)
+    ax.set_ylabel("FLA ms / kda_opt ms")
+    ax.set_title(f"FLA's KDAForCausalLM, steps with kda_opt registered ({gpu})")
+    ax.legend(title="gate")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
