@@ -290,7 +290,7 @@ def test_intra_gpu_inverse_far_from_identity(T, dtype):
     Aqk, Tm, rAqk, rTm = run(x, 128 ** -0.5)
     # One tf32 pass (≈ 3e-4 relative per Akk entry), amplified by the inverse where the keys are
     # correlated, above fp16's storage rounding (≈ 3e-4); bf16's (≈ 3e-3) dominates.
-    bound = {torch.bfloat16: 5e-3, torch.float16: 3e-3, torch.float32: 1e-5}[dtype]
+    bound = {torch.bfloat16: 5e-3, torch.float16: 3e-3, torch.float32: 3e-3}[dtype]
     errors = (rel_err(Aqk, rAqk), rel_err(Tm, rTm))
     assert max(errors) < bound, errors
     assert_structure(Aqk, Tm, x["beta"], T)
