@@ -311,6 +311,20 @@ def test_decode_verifier(decode_registry, on_hopper):
     assert backend.get_implementation("kda_gate_fwd") is None
 
 
+def test_decode_verifier_checks_a_call_once_per_signature(decode_registry, on_hopper, monkeypatch):
+    from kda_opt import plan
+    made = []
+    real = plan.make_decode_plan
+    monkeypatch.setattr(plan, "make_decode_plan", lambda **kw: made.append(1) or real(**kw))
+    monkeypatch.setattr(plan, "_plans", {})                 # no signature of an earlier test
+    backend = decode_registry._backends["kda_opt"]
+    call = decode_call()
+    for _ in range(3):
+        assert backend.verify("fused_recurrent_kda_fwd", **call) == (True, None)
+    assert backend.verify("fused_recurrent_kda_fwd", **{**call, "lower_bound": -4.0}) == (True, None)
+    assert len(made) == 2                                   # the second signature checked once more
+
+
 def test_decode_verifier_rejects_off_hopper(decode_registry, monkeypatch):
     monkeypatch.setattr(fla_backend, "_on_hopper", lambda device: False)
     accepted, reason = decode_registry._backends["kda_opt"].verify("fused_recurrent_kda_fwd", **decode_call())
