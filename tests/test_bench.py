@@ -145,6 +145,14 @@ def test_model_refuses_without_flas_models(monkeypatch, capsys):
     assert "flash-linear-attention" in capsys.readouterr().err
 
 
+def test_model_gates_option(monkeypatch, capsys):
+    assert bench.parse_args([]).model_gates == "softplus,safe"
+    assert bench.parse_args(["--model-gates", "safe"]).model_gates == "safe"
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--model-gates", "sigmoid"])
+    assert e.value.code == 2
+
+
 def test_model_systems_switch_flas_dispatch_and_restore_it(monkeypatch):
     from kda_bench import model
     monkeypatch.setenv("FLA_KDA_OPT", "7")

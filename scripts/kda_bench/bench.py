@@ -14,8 +14,9 @@ Entry point: `python scripts/test.py ...`.
                       → <out-dir>/decode_<gpu>.csv
     --test model      FLA's own KDA model (fla.models.KDAForCausalLM) step by step, as FLA ships it and
                       with kda_opt registered (kda_bench/model) → <out-dir>/model_<gpu>.csv/.png
-Exit code: 0 when every check passes, 1 when a correctness check fails, 2 when the machine cannot
-run the request (no GPU, no fla-core).
+Exit code: 0 when every check passes, 1 when a correctness check fails (--test model: tokens that
+differ), 2 when the machine cannot run the request (no GPU, no fla-core; for --test model, no
+flash-linear-attention).
 """
 import argparse
 import csv
@@ -183,6 +184,9 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true",
                    help="--sweep: skip the cases that already have a row in the CSV, so that the same command, "
                         "run again, measures only what an interrupted sweep left")
+    p.add_argument("--model-gates", default="softplus,safe",
+                   help="--test model: the gates of the model's layer it runs, in order (softplus, safe), so "
+                        "that a time-limited run can take one at a time")
     p.add_argument("--out-dir", default="profiles", help="where --sweep and --test host write their CSV (and PNG)")
     args = p.parse_args(argv)
     if args.chunk_size != 64:
@@ -193,6 +197,8 @@ def parse_args(argv=None):
         p.error("--seq-lens: every length must be ≥ 1")
     if args.varlen and not args.seq_lens and (args.num_seqs < 1 or args.seq_len < MIN_SEQ_LEN):
         p.error(f"--varlen needs --num-seqs ≥ 1 and --seq-len ≥ {MIN_SEQ_LEN}")
+    if not set(args.model_gates.split(",")) <= {"softplus", "safe"}:
+        p.error(f"--model-gates: softplus and/or safe, got {args.model_gates}")
     args.sweep_gates = args.sweep_gates or ("safe" if args.config == "flashkda" else "safe,softplus")
     if args.config == "flashkda":
         unfit = [flag for flag, bad in (("--no-gate-in-kernel", not args.gate_in_kernel),
@@ -645,7 +651,7 @@ def main(argv=None) -> int:
         return 0
     if args.test == "model":
         from . import model
-        rows = model.model_rows(args.out_dir)
+        rows = model.model_rows(args.out_dir, tuple(args.model_gates.split(",")))
         print(f"\n{'gate':>8} {'phase':>14} {'B':>3} {'T':>5} {'padded':>6} {'FLA ms':>8} {'ours ms':>8} {'speedup':>7} tokens")
         for r in rows:
             print(f"{r['gate']:>8} {r['phase']:>14} {r['B']:>3} {r['T']:>5} {str(r['padded']):>6} {r['fla_ms']:8.3f} "
