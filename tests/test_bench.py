@@ -166,6 +166,35 @@ def test_model_systems_switch_flas_dispatch_and_restore_it(monkeypatch):
     assert "FLA_KDA_OPT" not in model.os.environ
 
 
+def test_model_rows_take_turns_and_time_what_they_name(monkeypatch):
+    # A stand-in model records which system each call ran under (FLA_KDA_OPT) and its cache and mask.
+    from kda_bench import model
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    real = model.prompts
+    monkeypatch.setattr(model, "prompts", lambda *a, **kw: real(*a, **kw, device="cpu"))
+    calls = []
+
+    def fake(input_ids, attention_mask, past_key_values, use_cache, logits_to_keep):
+        calls.append((model.os.environ["FLA_KDA_OPT"], past_key_values, attention_mask))
+        logits = torch.zeros(input_ids.shape[0], 1, 8)
+        logits[:, 0, int(input_ids[0, -1]) % 8] = 1
+        return types.SimpleNamespace(logits=logits, past_key_values={"steps": len(calls)})
+    rows = model.prefill_row(fake, 2, 10, False)
+    assert [c[0] for c in calls] == ["0", "1"] * model.REPEATS and set(rows) == {"fla", "kda_opt"}
+    assert all(len(t) == model.REPEATS for t, _ in rows.values())
+    calls.clear()
+    rows = model.cached_row(fake, 2, 10)
+    prompt_caches = [c for _, c, _ in calls[:2]]
+    timed_caches = [c for _, c, _ in calls[2:]]
+    assert prompt_caches == [None, None] and len(timed_caches) == 2 * model.REPEATS
+    assert len({id(c) for c in timed_caches}) == len(timed_caches)      # a fresh copy per repeat
+    calls.clear()
+    rows = model.decode_row(fake, 2, True)
+    assert all(tokens.shape == (2, model.DECODE_STEPS + 1) for _, tokens in rows.values())
+    masks = [m.shape[1] for _, _, m in calls[:model.DECODE_STEPS + 1]]
+    assert masks == list(range(model.PROMPT, model.PROMPT + model.DECODE_STEPS + 1))   # one more column a step
+
+
 def test_model_prompts_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     from kda_bench import model

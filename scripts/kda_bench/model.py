@@ -87,35 +87,39 @@ def forward(model, ids, mask=None, cache=None):
     return out.logits[:, -1].argmax(-1), out.past_key_values
 
 
-def prefill_row(model, B, T, padded):
-    """{system: (ms per repeat, tokens)} of a prefill with no cache, the systems in turns."""
-    ids, mask = prompts(B, T, padded)
+def in_turns(prepare):
+    """{system: (ms per repeat, the last repeat's tokens)}: REPEATS repeats, the systems in turns,
+    each timing the step prepare(system) returns (made untimed, outside the system's switch)."""
     times, tokens = {s: [] for s in SYSTEMS}, {}
     for _ in range(REPEATS):
         for s in SYSTEMS:
+            step = prepare(s)
             with system(s):
-                ms, (tokens[s], _) = timed(lambda: forward(model, ids, mask))
+                ms, (tokens[s], _) = timed(step)
             times[s].append(ms)
     return {s: (times[s], tokens[s]) for s in SYSTEMS}
 
 
+def prefill_row(model, B, T, padded):
+    """in_turns' result for a prefill with no cache."""
+    ids, mask = prompts(B, T, padded)
+    return in_turns(lambda s: lambda: forward(model, ids, mask))
+
+
 def cached_row(model, B, T):
-    """{system: (ms per repeat, tokens)} of a T-token chunk into a cache holding a T-token prompt,
-    each repeat from a copy of that cache (made untimed), the systems in turns."""
+    """in_turns' result for a T-token chunk into a cache holding a T-token prompt, each repeat from a
+    copy of that cache."""
     first, _ = prompts(B, T, False, seed=1)
     ids, _ = prompts(B, T, False, seed=2)
     caches = {}
     for s in SYSTEMS:
         with system(s):
             caches[s] = forward(model, first)[1]
-    times, tokens = {s: [] for s in SYSTEMS}, {}
-    for _ in range(REPEATS):
-        for s in SYSTEMS:
-            cache = copy.deepcopy(caches[s])
-            with system(s):
-                ms, (tokens[s], _) = timed(lambda: forward(model, ids, cache=cache))
-            times[s].append(ms)
-    return {s: (times[s], tokens[s]) for s in SYSTEMS}
+
+    def prepare(s):
+        cache = copy.deepcopy(caches[s])
+        return lambda: forward(model, ids, cache=cache)
+    return in_turns(prepare)
 
 
 def decode_row(model, B, padded):
