@@ -14,6 +14,7 @@ import torch
 from . import decode, forward
 from .options import CHUNK
 from .plan import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, batch_entry_extent, decode_checks
+from .seqs import sequence_counts
 from .wuso import INT32_MAX
 
 # chunk_kda's keywords past its named parameters that kda_opt takes; any other keyword is left to FLA.
@@ -133,10 +134,7 @@ def intermediate_states(q, k, v, cu_seqlens_cpu, v_first: bool) -> tuple[torch.T
     next sequence's first row (or a spare row past h), which first_rows then writes."""
     B, T, HV, V = v.shape
     K = q.shape[-1]
-    if cu_seqlens_cpu is None:
-        rows = B * -(-T // CHUNK)
-    else:
-        rows = int(cu_seqlens_cpu.diff().add(CHUNK - 1).div(CHUNK, rounding_mode="floor").sum())
+    rows = B * -(-T // CHUNK) if cu_seqlens_cpu is None else sequence_counts(cu_seqlens_cpu, False).chunks
     row = (V, K) if v_first else (K, V)
     flat = k.new_empty((rows + 1, HV, *row))
     return flat[:rows].view(B, rows // B, HV, *row), flat[1:].view(B, rows // B, HV, *row)
