@@ -195,6 +195,18 @@ def test_model_rows_take_turns_and_time_what_they_name(monkeypatch):
     assert masks == list(range(model.PROMPT, model.PROMPT + model.DECODE_STEPS + 1))   # one more column a step
 
 
+def test_model_run_of_one_gate_keeps_the_other_gates_rows(tmp_path):
+    from kda_bench import model
+    row = lambda gate, ms: dict(gate=gate, phase="decode", B=2, T=1, padded=True, fla_ms=ms, kda_opt_ms=1.0,
+                                speedup=ms, tokens_match=True)
+    path = tmp_path / "model.csv"
+    bench.write_table([row("softplus", 2.0), row("safe", 3.0)], path, model.FIELDS)
+    rows = model.with_other_gates([row("safe", 4.0)], path, ("safe",))
+    assert [(r["gate"], r["fla_ms"], r["padded"], r["tokens_match"]) for r in rows] == [
+        ("softplus", 2.0, True, True), ("safe", 4.0, True, True)]
+    assert model.with_other_gates([row("safe", 4.0)], tmp_path / "none.csv", ("safe",)) == [row("safe", 4.0)]
+
+
 def test_model_prompts_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     from kda_bench import model

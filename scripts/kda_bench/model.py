@@ -13,7 +13,8 @@ Each step is timed from its call to the GPU's end (a synchronisation before and 
 REPEATS; the logits of the last position only (logits_to_keep=1), as a server asks. tokens_match: the
 greedy tokens of the two runs are identical (prefill: each prompt's next token; decode: every step's).
 FLA's own path is selected by FLA_KDA_OPT=0, which FLA's dispatch reads on every call.
-Written to <out-dir>/model_<gpu>.csv and .png.
+Written to <out-dir>/model_<gpu>.csv and .png; a run of some gates (--model-gates) keeps the other
+gates' rows already there.
 """
 import contextlib
 import copy
@@ -23,7 +24,7 @@ import time
 
 import torch
 
-from .bench import gpu_tag, show, write_rows
+from .bench import gpu_tag, read_csv, show, write_rows
 
 CONFIG = dict(hidden_size=2048, num_heads=32, head_dim=128, num_hidden_layers=2, vocab_size=4096)
 GATES = {"softplus": dict(), "safe": dict(safe_gate=True, lower_bound=-5.0)}
@@ -167,9 +168,18 @@ def model_rows(out_dir, gates=tuple(GATES)):
                 show(row)
                 rows.append(row)
             del model
+    rows = with_other_gates(rows, os.path.join(out_dir, f"model_{gpu_tag()}.csv"), gates)
     write_rows(rows, out_dir, "model", FIELDS)
     plot(rows, os.path.join(out_dir, f"model_{gpu_tag()}.png"), torch.cuda.get_device_name())
     return rows
+
+
+def with_other_gates(rows, path, gates):
+    """rows after the rows of the CSV at `path` (if any) whose gate is not among `gates`, in GATES' order."""
+    flag = lambda v: v in (True, "True")
+    kept = [dict(r, padded=flag(r["padded"]), tokens_match=flag(r["tokens_match"]))
+            for r in read_csv(path) if r["gate"] not in gates]
+    return sorted(kept + rows, key=lambda r: list(GATES).index(r["gate"]))
 
 
 def plot(rows, path, gpu: str):
