@@ -36,8 +36,10 @@ def use_in_fla() -> None:
     register("kda")(_decode_backend_class())
 
 
+@functools.cache
 def _on_hopper(device: torch.device) -> bool:
-    """Whether the device is a CUDA GPU of compute capability 9.x, the only one kda_opt runs on."""
+    """Whether the device is a CUDA GPU of compute capability 9.x, the only one kda_opt runs on (asked
+    of the driver once per device: every verified call asks)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 

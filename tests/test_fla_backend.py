@@ -77,11 +77,16 @@ def test_fla_kda_opt_0_disables(registry, backend, monkeypatch):
 
 # ---- the verifier ----
 
-def test_on_hopper_is_compute_capability_9(monkeypatch):
+def test_on_hopper_is_compute_capability_9_asked_once_per_device(monkeypatch):
     assert not fla_backend._on_hopper(torch.device("cpu"))
+    asked = []
     for capability, hopper in (((9, 0), True), ((8, 0), False), ((10, 0), False)):
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        fla_backend._on_hopper.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: asked.append(c) or c)
         assert fla_backend._on_hopper(torch.device("cuda", 0)) is hopper
+        assert fla_backend._on_hopper(torch.device("cuda", 0)) is hopper
+    fla_backend._on_hopper.cache_clear()
+    assert asked == [(9, 0), (8, 0), (10, 0)]
 
 
 def test_verifier_rejects_off_hopper(backend, monkeypatch):

@@ -13,8 +13,8 @@ Each step is timed from its call to the GPU's end (a synchronisation before and 
 REPEATS; the logits of the last position only (logits_to_keep=1), as a server asks. tokens_match: the
 greedy tokens of the two runs are identical (prefill: each prompt's next token; decode: every step's).
 FLA's own path is selected by FLA_KDA_OPT=0, which FLA's dispatch reads on every call.
-Written to <out-dir>/model_<gpu>.csv and .png; a run of some gates (--model-gates) keeps the other
-gates' rows already there.
+Written to <out-dir>/model_<gpu>.csv after every row, and a plot (.png) at the end; a run of some
+gates (--model-gates) keeps the other gates' rows already there.
 """
 import contextlib
 import copy
@@ -167,10 +167,11 @@ def model_rows(out_dir, gates=tuple(GATES)):
                            tokens_match=bool(torch.equal(results["fla"][1], results["kda_opt"][1])))
                 show(row)
                 rows.append(row)
+                # Written row by row, so that a run cut short keeps the rows it measured.
+                written = with_other_gates(rows, os.path.join(out_dir, f"model_{gpu_tag()}.csv"), gates)
+                write_rows(written, out_dir, "model", FIELDS)
             del model
-    rows = with_other_gates(rows, os.path.join(out_dir, f"model_{gpu_tag()}.csv"), gates)
-    write_rows(rows, out_dir, "model", FIELDS)
-    plot(rows, os.path.join(out_dir, f"model_{gpu_tag()}.png"), torch.cuda.get_device_name())
+    plot(written, os.path.join(out_dir, f"model_{gpu_tag()}.png"), torch.cuda.get_device_name())
     return rows
 
 
