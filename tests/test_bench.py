@@ -8,7 +8,8 @@ import types
 import pytest
 import torch
 
-from kda_bench import bench, peers
+from kda_bench import bench, common, peers
+from kda_bench.inputs import random_inputs
 
 
 def test_defaults_match_spec():
@@ -45,8 +46,8 @@ def test_benchmark_row_says_what_the_state_costs(monkeypatch):
     seen = []
     forward = lambda **a: seen.append("initial_state" in a and a["initial_state"] is not None)
     case = bench.Case(1, 64, 2, 64, "safe", -5.0, torch.float32, 0)
-    monkeypatch.setattr(bench.Case, "inputs", lambda self: bench.random_inputs(1, 64, 2, 64, device="cpu",
-                                                                                initial_state=self.initial_state))
+    monkeypatch.setattr(bench.Case, "inputs", lambda self: random_inputs(1, 64, 2, 64, device="cpu",
+                                                                          initial_state=self.initial_state))
     row = bench.benchmark(case, lambda **a: None, 1, 1, (1e12, 1e12), forward)
     assert row["initial_state"] == 1 and row["decay"] == "fast" and True in seen and False in seen
     assert isinstance(row["kda_opt_no_state_ms"], float) and isinstance(row["state_cost_pct"], float)
@@ -82,7 +83,7 @@ def test_flashkda_rows_time_checkpoints_every_512_tokens(monkeypatch, seqlens):
     for config in ("flashkda", "default"):
         case = bench.Case(B, 1100 if seqlens is None else 100, 2, 64, "safe", -5.0, torch.float32, 0,
                           seqlens=seqlens, config=config)
-        monkeypatch.setattr(bench.Case, "inputs", lambda self: bench.random_inputs(
+        monkeypatch.setattr(bench.Case, "inputs", lambda self: random_inputs(
             self.B, self.T, 2, 64, device="cpu", seqlens=self.seqlens, initial_state=True,
             **bench.CONFIGS[self.config]))
         row = bench.benchmark(case, lambda **a: None, 1, 1, (1e12, 1e12), forward)
@@ -134,6 +135,38 @@ def test_csv_roundtrip(tmp_path):
     rows = list(csv.DictReader(open(path)))
     assert [r["mode"] for r in rows] == ["safe", "softplus"]
     assert list(rows[0]) == bench.CSV_FIELDS and float(rows[0]["speedup"]) == 3.6
+
+
+def test_quiet_option():
+    """--quiet (no progress bar) is off unless given."""
+    assert bench.parse_args([]).quiet is False and bench.parse_args(["--quiet"]).quiet is True
+
+
+def test_progress_without_a_bar_is_the_items_themselves(monkeypatch):
+    """quiet, or without tqdm (the CPU CI may install only the `test` extra): the items as they are."""
+    items = [("a", 1), ("b", 2), ("c", 3)]
+    assert common.progress(items, quiet=True) is items
+    monkeypatch.setitem(sys.modules, "tqdm", None)      # `from tqdm import tqdm` raises ImportError
+    assert common.progress(items, str) is items and items == [("a", 1), ("b", 2), ("c", 3)]
+
+
+def test_progress_bar_yields_every_item_in_order_and_names_it(capsys):
+    """With tqdm: every item in order, the bar on stderr naming the one in hand; stdout left to the rows."""
+    pytest.importorskip("tqdm")
+    items = [("a", 1), ("b", 2), ("c", 3)]
+    assert list(common.progress(items, lambda item: f"case {item[0]}")) == items
+    out, err = capsys.readouterr()
+    assert out == "" and "3/3" in err and "case c" in err
+
+
+def test_rows_print_the_same_with_and_without_tqdm(monkeypatch, capsys):
+    """show and echo write the same lines on stdout whether tqdm writes them (above a bar) or print does."""
+    common.show(dict(B=1, kda_opt_ms=0.5))
+    common.echo("wrote x.csv")
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    common.show(dict(B=1, kda_opt_ms=0.5))
+    common.echo("wrote x.csv")
+    assert capsys.readouterr().out == "  B 1  kda_opt_ms 0.5000\nwrote x.csv\n" * 2
 
 
 def test_model_refuses_without_flas_models(monkeypatch, capsys):
@@ -456,7 +489,7 @@ def test_serving_step_row(monkeypatch):
     monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(bench.peers, "flashkda", lambda args: (None, "not here"))
     case = bench.Case(1, 100, 2, 64, "safe", -5.0, torch.float32, 0, seqlens=(30, 70), config="serving")
-    monkeypatch.setattr(bench.Case, "inputs", lambda self: bench.random_inputs(
+    monkeypatch.setattr(bench.Case, "inputs", lambda self: random_inputs(
         1, 100, 2, 64, device="cpu", seqlens=[30, 70], initial_state=True, **bench.CONFIGS["serving"]))
     calls = []
     forward = lambda **a: calls.append(sorted(n for n in ("initial_state_indices", "checkpoints") if n in a))

@@ -14,15 +14,17 @@ Entry point: `python scripts/test.py ...`.
                       → <out-dir>/decode_<gpu>.csv
     --test model      FLA's own KDA model (fla.models.KDAForCausalLM) step by step, as FLA ships it and
                       with kda_opt registered (kda_bench/model) → <out-dir>/model_<gpu>.csv/.png
+    --test cp         long sequences with few heads: kda_forward, its sequential path, FLA and FlashKDA; under
+                      torchrun, one sequence split over the GPUs (kda_bench/cp) → <out-dir>/cp_<gpu>.csv
+What the modes share (the case, the timings, the rows printed and written): kda_bench/common. --sweep and
+--test host, decode, model and cp draw a progress bar on stderr (tqdm; --quiet: none).
 Exit code: 0 when every check passes, 1 when a correctness check fails (--test model: tokens that
 differ), 2 when the machine cannot run the request (no GPU, no fla-core; for --test model, no
 flash-linear-attention).
 """
 import argparse
-import csv
 import dataclasses
 import importlib.util
-import itertools
 import math
 import os
 import sys
@@ -31,19 +33,11 @@ import torch
 
 from kda_opt.reference import ERROR_FLOOR, error_bound, rel_err
 
-from . import peers, serving
-from .inputs import DECAYS, random_inputs
+from . import cp, decode, host, model, peers, serving
+from .common import (CONFIGS, DTYPES, NOT_RUN, Case, echo, gpu_tag, medians_in_turns, progress, read_csv,
+                     write_table)
+from .inputs import DECAYS
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
-# Call configurations: how random_inputs draws the arguments every system gets.
-CONFIGS = {
-    "default": {},
-    "l2norm": dict(l2norm=True),                                            # Kimi-Linear's layer
-    "flashkda": dict(l2norm=True, beta_logits=True, state_v_first=True),    # FlashKDA's only one
-    # Kimi-Linear's call with a state pool: the serving step (kda_bench/serving)
-    "serving": dict(l2norm=True, beta_logits=True, state_v_first=True),
-}
 # The float64 recurrence walks T token by token over [B, HV, K, V] float64 states: keep it under
 # this many state elements × tokens (about a second on a GPU) by trimming T, and say so.
 NAIVE_BUDGET = 2 ** 33
@@ -71,66 +65,6 @@ SWEEP_PACKED = [("drawn", 32)] + PEER_PACKED + LOAD_PACKED
 # Serving steps at Kimi-Linear's H = 32 (CONFIGS["serving"]): the peers' six-request mix, and 64
 # requests drawn in [MIN_SEQ_LEN, 1024] (seed 1).
 SERVING_STEPS = [((1300, 547, 2048, 963, 271, 3063), 32), (("drawn", 1024, 1), 32)]
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    B: int
-    T: int               # tokens: with seqlens, their sum
-    H: int
-    K: int
-    gate: str            # "safe", "softplus" or "preactivated" (see inputs.GATE_MODES)
-    lower_bound: float
-    dtype: torch.dtype
-    seed: int
-    seqlens: tuple | None = None   # sequences packed along T (cu_seqlens; B = 1)
-    config: str = "default"        # a key of CONFIGS
-    initial_state: bool = True     # the call a server makes passes one
-    decay: str = "fast"            # a value of inputs.DECAYS
-
-    @property
-    def label(self):
-        extra = (f" varlen({len(self.seqlens)} seqs)" if self.seqlens else "")
-        extra += f" {self.config}" if self.config != "default" else ""
-        extra += "" if self.initial_state else " no-initial-state"
-        extra += f" decay={self.decay}" if self.decay != "fast" else ""
-        extra += f" {DTYPE_NAMES[self.dtype]}" if self.dtype != torch.bfloat16 else ""
-        return f"B={self.B} T={self.T} H={self.H} K=V={self.K} {self.gate}{extra}"
-
-    @property
-    def tag(self):
-        """The case in file names: b1_t8192_h96_k128_safe[_varlen64][_config][_nostate][_layer]."""
-        return (f"b{self.B}_t{self.T}_h{self.H}_k{self.K}_{self.gate}"
-                + (f"_varlen{len(self.seqlens)}" if self.seqlens else "")
-                + (f"_{self.config}" if self.config != "default" else "")
-                + ("" if self.initial_state else "_nostate")
-                + (f"_{self.decay}" if self.decay != "fast" else "")
-                + (f"_{DTYPE_NAMES[self.dtype]}" if self.dtype != torch.bfloat16 else ""))
-
-    @property
-    def columns(self):
-        """The case as its sweep row names it (the CSV's first columns, ROW_KEY among them)."""
-        return dict(B=self.B, T=self.T, H=self.H, K=self.K, V=self.K, mode=self.gate, varlen=len(self.seqlens or ()),
-                    config=self.config, initial_state=int(self.initial_state), decay=self.decay,
-                    dtype=DTYPE_NAMES[self.dtype])
-
-    def trimmed(self, T):
-        """The case cut to its first T tokens (packed: the first sequences, the last one cut)."""
-        if T >= self.T:
-            return self
-        seqlens = self.seqlens
-        if seqlens:
-            ends = [e for e in itertools.accumulate(seqlens) if e < T]
-            seqlens = tuple(b - a for a, b in zip([0, *ends], [*ends, T]))
-        return dataclasses.replace(self, T=T, seqlens=seqlens)
-
-    def inputs(self, **kw):
-        """kda_forward's keyword arguments for this case; kw overrides random_inputs' (e.g. initial_state)."""
-        kw = {"initial_state": self.initial_state, "decay": self.decay, **CONFIGS[self.config], **kw}
-        args = random_inputs(self.B, self.T, self.H, self.K, gate=self.gate, dtype=self.dtype, seed=self.seed,
-                             seqlens=self.seqlens, **kw)
-        if "lower_bound" in args:
-            args["lower_bound"] = self.lower_bound
-        return args
 
 
 def parse_args(argv=None):
@@ -188,6 +122,8 @@ def parse_args(argv=None):
                    help="--test model: the gates of the model's layer it runs, in order (softplus, safe), so "
                         "that a time-limited run can take one at a time")
     p.add_argument("--out-dir", default="profiles", help="where --sweep and --test host write their CSV (and PNG)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar (--sweep and --test host, decode, model and cp draw one on stderr)")
     args = p.parse_args(argv)
     if args.chunk_size != 64:
         p.error("--chunk-size: kda_opt computes chunk size 64 only")
@@ -364,7 +300,6 @@ def check_fla(c: Case, fla):
     return ok
 
 
-NOT_RUN = "n/a"  # the FlashKDA columns where it cannot compute the case
 STAGE1_KERNEL = "gate_cumsum"  # stage 1's kernel (kda_opt/gate), whose time a row reports as stage1_ms
 
 
@@ -442,9 +377,9 @@ def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
                  f"{ms['kda_opt_ckpt']:.3f} ms, {row['ckpt_cost_pct']:+.1f} %)")
     if stage1 != NOT_RUN:
         state += f" (stage 1 {stage1:.3f} ms)"
-    print(f"  {c.label}: FLA {ms['fla']:.3f} ms  kda_opt {ours_ms:.3f} ms{state}  speedup {row['speedup']:.2f}×  "
-          f"{peer}  {row['tbps']:.2f} TB/s ({row['bytes_floor_pct']:.0f}% of bytes floor)  "
-          f"{row['tflops']:.0f} TFLOP/s ({row['flops_floor_pct']:.0f}% of FLOP floor)")
+    echo(f"  {c.label}: FLA {ms['fla']:.3f} ms  kda_opt {ours_ms:.3f} ms{state}  speedup {row['speedup']:.2f}×  "
+         f"{peer}  {row['tbps']:.2f} TB/s ({row['bytes_floor_pct']:.0f}% of bytes floor)  "
+         f"{row['tflops']:.0f} TFLOP/s ({row['flops_floor_pct']:.0f}% of FLOP floor)")
     return row
 
 
@@ -476,62 +411,6 @@ ROW_DEFAULTS = {"varlen": 0, "config": "default", "initial_state": 0, "decay": "
                 "flashkda_ms": NOT_RUN, "speedup_vs_flashkda": NOT_RUN, "fla_flash_kda": "0",
                 "kda_opt_dense_ms": NOT_RUN, "pool_cost_pct": NOT_RUN, "kda_opt_ckpt_ms": NOT_RUN, "ckpt_cost_pct": NOT_RUN,
                 "kda_opt_ckpt_every_ms": NOT_RUN, "ckpt_every_cost_pct": NOT_RUN}
-
-
-def planned_call(args, tuning):
-    """kda_forward's call on its keyword arguments `args` under a plan made once, now, with other
-    launch knobs (kda_opt/plan.Tuning): a function of no arguments, timed without the planning."""
-    from kda_opt.forward import RUN_TENSORS, run
-    from kda_opt.plan import make_plan
-    plan, tensors = make_plan(**args, tuning=tuning), {n: args.get(n) for n in RUN_TENSORS}
-    return lambda: run(plan, **tensors)
-
-
-def medians_in_turns(runs, warmup, rep):
-    """{name: ms} for {name: call}: each called once first (JIT and FLA's autotuning stay out of the
-    timings), then three rounds of do_bench medians with the systems in turns, the middle round kept."""
-    from triton.testing import do_bench
-    for f in runs.values():
-        f()
-    torch.cuda.synchronize()
-    times = {name: [] for name in runs}
-    for _ in range(3):
-        for name, f in runs.items():
-            times[name].append(do_bench(f, warmup=warmup, rep=rep, return_mode="median"))
-    return {name: sorted(t)[1] for name, t in times.items()}
-
-
-def show(row):
-    """One measured row on a line, as the --test modes print them while they run."""
-    print("  " + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
-
-
-def write_rows(rows, out_dir, name, fields):
-    """rows as <out_dir>/<name>_<gpu>.csv (write_table); returns the path."""
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{name}_{gpu_tag()}.csv")
-    write_table(rows, path, fields)
-    print(f"wrote {path}")
-    return path
-
-
-def write_table(rows, path, fields, defaults=None):
-    """rows as the CSV `path` with columns `fields` (a row's other keys left out, its missing ones from
-    `defaults`), floats to 4 decimals."""
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: f"{v:.4f}" if isinstance(v, float) else v for k, v in {**(defaults or {}), **r}.items()})
-
-
-def read_csv(path):
-    """Rows of an existing sweep CSV (numbers parsed), or [] if there is none."""
-    if not os.path.exists(path):
-        return []
-    parse = lambda v: v if not v.replace(".", "", 1).replace("-", "", 1).isdigit() else (float(v) if "." in v else int(v))
-    with open(path) as f:
-        return [{k: parse(v) for k, v in r.items()} for r in csv.DictReader(f)]
 
 
 def row_key(r):
@@ -603,10 +482,6 @@ def plot_scaling(ax, rows, config):
         ax2.legend(loc="lower right", fontsize=7)
 
 
-def gpu_tag():
-    return torch.cuda.get_device_name().replace("NVIDIA ", "").split()[0].lower()
-
-
 # ---- main ----
 
 def refuse(msg):
@@ -619,8 +494,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         return refuse("needs a CUDA GPU (none found); the CPU test suite is `bash scripts/check.sh`")
     if args.test == "cp" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from . import cp
-        return cp.main_across_ranks(args.out_dir)
+        return cp.main_across_ranks(args.out_dir, args.quiet)
     fla = peers.fla_chunk_kda()
     if fla is None and (args.sweep or args.test in ("fla", "benchmark", "all", "host", "cp", "decode", "model")):
         return refuse(f"--test {args.test} needs fla-core (pip install 'kda-opt[bench]')")
@@ -632,16 +506,14 @@ def main(argv=None) -> int:
 
     ok = True
     if args.test == "host":
-        from . import host
-        rows = host.host_rows(fla, args.out_dir)
+        rows = host.host_rows(fla, args.out_dir, args.quiet)
         print(f"\n{'call':42s} {'ours host':>9} {'FLA host':>9} {'FKDA host':>9} {'eager':>7} {'graph':>7}")
         for r in rows:
             cells = [r[f] for f in host.FIELDS[1:]]
             print(f"{r['call']:42s} " + " ".join(f"{c:9.4f}" if isinstance(c, float) else f"{c:>9}" for c in cells))
         return 0
     if args.test == "decode":
-        from . import decode
-        rows = decode.decode_rows(fla, args.out_dir, args.warmup, args.rep)
+        rows = decode.decode_rows(fla, args.out_dir, args.warmup, args.rep, args.quiet)
         print(f"\n{'mode':>6} {'N':>5} {'H':>3} {'T':>2} {'prefill':>7} {'state':>5} {'ours ms':>8} {'FLA ms':>8} "
               f"{'FlashKDA':>8} {'floor':>7} {'% floor':>7} {'graph':>7} {'host':>7}")
         for r in rows:
@@ -650,16 +522,14 @@ def main(argv=None) -> int:
                   f"{r['state_dtype']:>5} " + " ".join(f"{c:8.3f}" if isinstance(c, float) else f"{c:>8}" for c in cells))
         return 0
     if args.test == "model":
-        from . import model
-        rows = model.model_rows(args.out_dir, tuple(args.model_gates.split(",")))
+        rows = model.model_rows(args.out_dir, tuple(args.model_gates.split(",")), args.quiet)
         print(f"\n{'gate':>8} {'phase':>14} {'B':>3} {'T':>5} {'padded':>6} {'FLA ms':>8} {'ours ms':>8} {'speedup':>7} tokens")
         for r in rows:
             print(f"{r['gate']:>8} {r['phase']:>14} {r['B']:>3} {r['T']:>5} {str(r['padded']):>6} {r['fla_ms']:8.3f} "
                   f"{r['kda_opt_ms']:8.3f} {r['speedup']:7.2f} {r['tokens_match']}")
         return 0 if all(r["tokens_match"] for r in rows) else 1
     if args.test == "cp":
-        from . import cp
-        rows = cp.cp_rows(fla, args.out_dir, args.warmup, args.rep)
+        rows = cp.cp_rows(fla, args.out_dir, args.warmup, args.rep, args.quiet)
         print(f"\n{'B':>2} {'T':>7} {'H':>3} {'config':>8} {'ours ms':>8} {'sequential':>10} {'FLA ms':>8} {'FlashKDA':>8}")
         for r in rows:
             cells = [r[f] for f in ("kda_opt_ms", "sequential_ms", "fla_ms", "flashkda_ms")]
@@ -680,8 +550,8 @@ def main(argv=None) -> int:
             todo = [c for c in cases if row_key(c.columns) not in done]
             print(f"--resume: {len(cases) - len(todo)} of {len(cases)} cases already in {base}.csv")
             cases = todo
-        for i, c in enumerate(cases, 1):
-            print(f"[{i}/{len(cases)}] {c.label}", flush=True)
+        for i, c in enumerate(progress(cases, lambda c: c.label, args.quiet), 1):
+            echo(f"[{i}/{len(cases)}] {c.label}")
             rows = merge_rows(rows, [benchmark(c, fla, args.warmup, args.rep, ceilings)])
             # After every case, so that an interrupted sweep keeps what it measured.
             write_csv(rows, base + ".csv")

@@ -22,8 +22,8 @@ Written to <out-dir>/decode_<gpu>.csv.
 """
 import torch
 
-from . import host, peers
-from .bench import NOT_RUN, medians_in_turns, planned_call, show, write_rows
+from . import peers
+from .common import NOT_RUN, graph_ms, host_ms, medians_in_turns, planned_call, progress, show, write_rows
 from .inputs import random_inputs
 
 K = 128
@@ -147,11 +147,13 @@ def mixed_runs(decodes, prefills, H, fla_chunk, fla_decode):
 
 
 @torch.inference_mode()
-def decode_rows(fla_chunk, out_dir, warmup=25, rep=100):
-    """Measures every row of steps(), writes <out_dir>/decode_<gpu>.csv and returns the rows."""
+def decode_rows(fla_chunk, out_dir, warmup=25, rep=100, quiet=False):
+    """Measures every row of steps() (a progress bar unless quiet), writes <out_dir>/decode_<gpu>.csv and
+    returns the rows."""
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
     rows = []
-    for mode, requests, H, tokens, prefills, state_dtype in steps():
+    label = lambda s: f"{s[0]} N={s[1]} H={s[2]} T={s[3]} prefill={sum(s[4])} {s[5]} state"
+    for mode, requests, H, tokens, prefills, state_dtype in progress(steps(), label, quiet):
         if mode == "mixed":
             runs = mixed_runs(requests, prefills, H, fla_chunk, fused_recurrent_kda_fwd)
             floor = NOT_RUN
@@ -163,8 +165,8 @@ def decode_rows(fla_chunk, out_dir, warmup=25, rep=100):
                    state_dtype=state_dtype, kda_opt_ms=ms["kda_opt"], fla_ms=ms["fla"],
                    flashkda_ms=ms.get("flashkda", NOT_RUN), floor_ms=floor,
                    pct_of_floor=NOT_RUN if floor == NOT_RUN else 100 * floor / ms["kda_opt"],
-                   kda_opt_graph_ms=host.graph_ms(runs["kda_opt"], GRAPH_CALLS, cold=True),
-                   kda_opt_host_ms=host.host_ms({"kda_opt": runs["kda_opt"]})["kda_opt"],
+                   kda_opt_graph_ms=graph_ms(runs["kda_opt"], GRAPH_CALLS, cold=True),
+                   kda_opt_host_ms=host_ms({"kda_opt": runs["kda_opt"]})["kda_opt"],
                    kda_opt_stage4_ms=ms.get("kda_opt_stage4", NOT_RUN))
         show(row)
         rows.append(row)

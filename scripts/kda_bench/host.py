@@ -4,22 +4,19 @@ layer (Kimi-Linear calls KDA once per layer; prefill steps usually run outside C
 
     host ms    wall time of CALLS calls back to back without synchronising, per call (their GPU work
                is shorter, so the GPU waits on the host), the median of REPEATS such runs, the
-               systems taking turns
+               systems taking turns (common.host_ms)
     eager ms   the call's median time (do_bench) as launched, for kda_opt
-    graph ms   the same call replayed from a CUDA graph: eager / graph is what the host costs the GPU
+    graph ms   the same call replayed from a CUDA graph (common.graph_ms): eager / graph is what the
+               host costs the GPU
 Rows (HOST_CALLS): Kimi-Linear's H = 32, K = V = 128, bf16, an fp32 initial state; FLA and FlashKDA
 where they make the call as it is (empty otherwise). Every call runs under torch.inference_mode(), as
 a serving engine runs its model. Written to <out-dir>/host_<gpu>.csv.
 """
-import statistics
-import time
-
 import torch
 
 from . import peers, serving
-from .bench import NOT_RUN, Case, show, write_rows
+from .common import NOT_RUN, Case, graph_ms, host_ms, progress, show, write_rows
 
-CALLS, REPEATS = 200, 7
 H, K = 32, 128
 # (row name, Case fields, what the call adds to the case's arguments): every configuration the
 # benchmark knows, fixed-length and packed, packed with and without cu_seqlens_cpu, a state pool
@@ -37,48 +34,6 @@ HOST_CALLS = [
     ("serving 8x64 checkpoints", dict(T=512, seqlens=PACKED, config="serving"), "pool, checkpoints"),
 ]
 FIELDS = ["call", "kda_opt_host_ms", "fla_host_ms", "flashkda_host_ms", "kda_opt_eager_ms", "kda_opt_graph_ms"]
-
-
-def host_ms(runs):
-    """{system: ms}: per call, the wall time of CALLS calls of a system without a synchronisation; the
-    systems take turns, REPEATS rounds, and each keeps its median round (the host's speed drifts)."""
-    for f in runs.values():
-        for _ in range(10):
-            f()
-    rounds = {system: [] for system in runs}
-    for _ in range(REPEATS):
-        for system, f in runs.items():
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(CALLS):
-                f()
-            rounds[system].append((time.perf_counter() - t0) / CALLS * 1e3)
-    torch.cuda.synchronize()
-    return {system: statistics.median(r) for system, r in rounds.items()}
-
-
-def graph_ms(f, calls=1, cold=False):
-    """Median ms per call of f, `calls` calls replayed from one CUDA graph (captured after a warm-up
-    on a side stream; several calls, so that a short kernel's time is not the replay's launch).
-    cold: each call after a write of twice the L2 cache (so no call finds its data there, as
-    do_bench's calls do not), that write's own time in a graph subtracted."""
-    from triton.testing import do_bench
-
-    def replayed(step):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                step()
-        return do_bench(graph.replay, return_mode="median") / calls
-    if not cold:
-        return replayed(f)
-    flush = torch.empty(2 * torch.cuda.get_device_properties().L2_cache_size, dtype=torch.uint8, device="cuda")
-    return replayed(lambda: (flush.zero_(), f())) - replayed(flush.zero_)
 
 
 def calls(case: Case, extra: str, fla, kda_forward):
@@ -103,12 +58,13 @@ def calls(case: Case, extra: str, fla, kda_forward):
 
 
 @torch.inference_mode()
-def host_rows(fla, out_dir):
-    """Measures every row of HOST_CALLS, writes <out_dir>/host_<gpu>.csv and returns the rows."""
+def host_rows(fla, out_dir, quiet=False):
+    """Measures every row of HOST_CALLS (a progress bar unless quiet), writes <out_dir>/host_<gpu>.csv and
+    returns the rows."""
     from triton.testing import do_bench
     from kda_opt import kda_forward
     rows = []
-    for name, fields, extra in HOST_CALLS:
+    for name, fields, extra in progress(HOST_CALLS, lambda c: c[0], quiet):
         case = Case(**{"B": 1, "H": H, "K": K, "gate": "safe", "lower_bound": -5.0, "dtype": torch.bfloat16,
                        "seed": 0, **fields})
         runs = calls(case, extra, fla, kda_forward)

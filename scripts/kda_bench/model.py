@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from .bench import gpu_tag, read_csv, show, write_rows
+from .common import gpu_tag, progress, read_csv, show, write_rows
 
 CONFIG = dict(hidden_size=2048, num_heads=32, head_dim=128, num_hidden_layers=2, vocab_size=4096)
 GATES = {"softplus": dict(), "safe": dict(safe_gate=True, lower_bound=-5.0)}
@@ -142,16 +142,17 @@ def decode_row(model, B, padded):
     return {s: (times[s], tokens[s]) for s in SYSTEMS}
 
 
-def model_rows(out_dir, gates=tuple(GATES)):
-    """Measures every row of ROWS for each gate, writes <out_dir>/model_<gpu>.csv (and the plot) and
-    returns the rows."""
+def model_rows(out_dir, gates=tuple(GATES), quiet=False):
+    """Measures every row of ROWS for each gate (a progress bar per gate unless quiet), writes
+    <out_dir>/model_<gpu>.csv (and the plot) and returns the rows."""
     import kda_opt
     kda_opt.use_in_fla()
     rows = []
     with torch.inference_mode():
         for gate in gates:
             model = build(gate)
-            for phase, B, T, padded in ROWS:
+            label = lambda r: f"{gate} {r[0]} B={r[1]} T={r[2]}" + (" padded" if r[3] else "")
+            for phase, B, T, padded in progress(ROWS, label, quiet):
                 # Once each first: FLA's autotuning and the JIT stay out of the timings.
                 if phase == "prefill":
                     run = lambda: prefill_row(model, B, T, padded)
