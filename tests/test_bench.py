@@ -169,6 +169,28 @@ def test_rows_print_the_same_with_and_without_tqdm(monkeypatch, capsys):
     assert capsys.readouterr().out == "  B 1  kda_opt_ms 0.5000\nwrote x.csv\n" * 2
 
 
+def test_sweep_shows_a_progress_bar_and_quiet_hides_it(monkeypatch, capsys, tmp_path):
+    """The sweep end to end with the GPU's parts stood in for: a bar on stderr through every case (its
+    count and the case in hand), none with --quiet, the same CSV either way."""
+    pytest.importorskip("tqdm")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")
+    monkeypatch.setattr(peers, "fla_chunk_kda", lambda: object())
+    monkeypatch.setattr(bench, "measure_ceilings", lambda: None)
+    monkeypatch.setattr(bench, "write_plot", lambda *a, **kw: None)
+    row = lambda c: {**c.columns, "fla_ms": 2.0, "kda_opt_ms": 1.0, "speedup": 2.0, "tbps": 1.0, "tflops": 1.0}
+    monkeypatch.setattr(bench, "benchmark", lambda c, *a, **kw: row(c))
+    argv = ["--sweep", "--sweep-rows", "dtypes", "--out-dir", str(tmp_path)]
+    assert bench.main(argv) == 0
+    err = capsys.readouterr().err
+    cases = bench.sweep_cases(bench.parse_args(argv))
+    assert f"{len(cases)}/{len(cases)}" in err and cases[-1].label in err
+    (csv_path,) = tmp_path.glob("benchmark_*.csv")
+    written = csv_path.read_text()
+    assert bench.main(argv + ["--quiet"]) == 0
+    assert capsys.readouterr().err == "" and csv_path.read_text() == written
+
+
 def test_model_refuses_without_flas_models(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(peers, "fla_chunk_kda", lambda: object())
