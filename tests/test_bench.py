@@ -236,7 +236,8 @@ def test_model_rows_take_turns_and_time_what_they_name(monkeypatch):
         return types.SimpleNamespace(logits=logits, past_key_values={"steps": len(calls)})
     rows = model.prefill_row(fake, 2, 10, False)
     assert [c[0] for c in calls] == ["0", "1"] * model.REPEATS and set(rows) == {"fla", "kda_opt"}
-    assert all(len(t) == model.REPEATS for t, _ in rows.values())
+    assert all(len(t) == model.REPEATS and tokens.shape == (2, 1) and logits.shape == (2, 1, 8)
+               for t, tokens, logits in rows.values())
     calls.clear()
     rows = model.cached_row(fake, 2, 10)
     prompt_caches = [c for _, c, _ in calls[:2]]
@@ -245,7 +246,8 @@ def test_model_rows_take_turns_and_time_what_they_name(monkeypatch):
     assert len({id(c) for c in timed_caches}) == len(timed_caches)      # a fresh copy per repeat
     calls.clear()
     rows = model.decode_row(fake, 2, True)
-    assert all(tokens.shape == (2, model.DECODE_STEPS + 1) for _, tokens in rows.values())
+    assert all(tokens.shape == (2, model.DECODE_STEPS + 1) and logits.shape == (2, model.DECODE_STEPS + 1, 8)
+               and torch.equal(logits.argmax(-1), tokens) for _, tokens, logits in rows.values())
     masks = [m.shape[1] for _, _, m in calls[:model.DECODE_STEPS + 1]]
     assert masks == list(range(model.PROMPT, model.PROMPT + model.DECODE_STEPS + 1))   # one more column a step
 
@@ -262,13 +264,29 @@ def test_model_run_of_one_gate_keeps_the_other_gates_rows(tmp_path):
     assert model.with_other_gates([row("safe", 4.0)], tmp_path / "none.csv", ("safe",)) == [row("safe", 4.0)]
 
 
+def test_parting_gap_is_flas_margin_in_bf16_steps_where_tokens_part():
+    from kda_bench import model
+    tokens = torch.tensor([[1, 2, 3], [1, 2, 3]])
+    logits = torch.zeros(2, 3, 8)
+    logits[0, 1, 2], logits[0, 1, 5] = 3.1875, 3.1875        # request 0 parts at step 1: an exact tie
+    logits[0, 2, 3] = 4.0                                    # (and differs at step 2, no longer a tie)
+    logits[1, 2, 3], logits[1, 2, 4] = 2.75, 2.734375        # request 1 parts at step 2: one bf16 step
+    ours = torch.tensor([[1, 5, 0], [1, 2, 4]])
+    assert model.parting_gap(tokens, logits, ours) == 1.0
+    assert model.parting_gap(tokens[:1], logits[:1], ours[:1]) == 0.0
+    logits[1, 2, 4] = 2.5                                    # 16 steps below 2.75
+    assert model.parting_gap(tokens, logits, ours) == 16.0
+    assert model.parting_gap(tokens, logits, tokens) == model.NOT_RUN
+
+
 def test_model_prompts_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     from kda_bench import model
     ids, mask = model.prompts(3, 300, True, device="cpu")
     assert ids.shape == (3, 300) and mask.sum(1).tolist() == [300, 200, 100] and mask[:, -1].all()
     assert model.prompts(2, 8, False, device="cpu")[1] is None
-    rows = [dict(gate=g, phase=p, B=B, T=T, padded=pad, fla_ms=2.0, kda_opt_ms=1.0, speedup=2.0, tokens_match=True)
+    rows = [dict(gate=g, phase=p, B=B, T=T, padded=pad, fla_ms=2.0, kda_opt_ms=1.0, speedup=2.0, tokens_match=True,
+                 parting_gap="n/a")
             for g in model.GATES for p, B, T, pad in model.ROWS]
     model.plot(rows, tmp_path / "m.png", "a GPU")
     assert 0 < (tmp_path / "m.png").stat().st_size < 200_000

@@ -11,7 +11,8 @@ every step pays the host's time around the kernels as well as their GPU time.
     padded    a left-padded batch (an attention mask: packed sequences in the layer), prefill and decode
 Each step is timed from its call to the GPU's end (a synchronisation before and after), the median of
 REPEATS; the logits of the last position only (logits_to_keep=1), as a server asks. tokens_match: the
-greedy tokens of the two runs are identical (prefill: each prompt's next token; decode: every step's).
+greedy tokens of the two runs are identical (prefill: each prompt's next token; decode: every step's);
+parting_gap: where they are not, how near a tie FLA's own choice was when they parted (parting_gap()).
 FLA's own path is selected by FLA_KDA_OPT=0, which FLA's dispatch reads on every call.
 Written to <out-dir>/model_<gpu>.csv after every row, and a plot (.png) at the end; a run of some
 gates (--model-gates) keeps the other gates' rows already there.
@@ -24,7 +25,7 @@ import time
 
 import torch
 
-from .common import gpu_tag, progress, read_csv, show, write_rows
+from .common import NOT_RUN, gpu_tag, progress, read_csv, show, write_rows
 
 CONFIG = dict(hidden_size=2048, num_heads=32, head_dim=128, num_hidden_layers=2, vocab_size=4096)
 GATES = {"softplus": dict(), "safe": dict(safe_gate=True, lower_bound=-5.0)}
@@ -34,7 +35,7 @@ REPEATS, DECODE_STEPS, PROMPT = 10, 24, 128
 ROWS = [("prefill", 2, 1000, False), ("prefill", 1, 4096, False), ("prefill", 1, 8192, False),
         ("cached_prefill", 2, 500, False), ("decode", 2, 1, False), ("decode", 64, 1, False),
         ("prefill", 2, 1000, True), ("decode", 2, 1, True)]
-FIELDS = ["gate", "phase", "B", "T", "padded", "fla_ms", "kda_opt_ms", "speedup", "tokens_match"]
+FIELDS = ["gate", "phase", "B", "T", "padded", "fla_ms", "kda_opt_ms", "speedup", "tokens_match", "parting_gap"]
 SYSTEMS = ("fla", "kda_opt")
 
 
@@ -83,22 +84,43 @@ def timed(f) -> tuple[float, object]:
 
 
 def forward(model, ids, mask=None, cache=None):
-    """One step: (next greedy tokens [B], the cache)."""
+    """One step: (next greedy tokens [B], the cache, their logits [B, vocab])."""
     out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1].argmax(-1), out.past_key_values
+    logits = out.logits[:, -1]
+    return logits.argmax(-1), out.past_key_values, logits
+
+
+def parting_gap(tokens, logits, other_tokens):
+    """Where other_tokens part from tokens [B, S] (greedy choices made from logits [B, S, vocab]), at
+    each request's first differing step: the logit of tokens' choice less that of other_tokens', in
+    steps of bf16 at the top logit (0: an exact tie); the largest over the requests that part, or
+    NOT_RUN where none does. A greedy choice within a step or so of a tie goes either way for two
+    kernels that round differently; after it the two runs continue different sequences."""
+    differ = tokens != other_tokens
+    if not differ.any():
+        return NOT_RUN
+    gaps = []
+    for b in differ.any(1).nonzero()[:, 0].tolist():
+        t = int(differ[b].nonzero()[0])
+        row = logits[b, t].float()
+        top = row[tokens[b, t]]
+        step = 2.0 ** (torch.floor(torch.log2(top.abs().clamp_min(1e-30))) - 7)   # bf16: 8 significant bits
+        gaps.append(float((top - row[other_tokens[b, t]]) / step))
+    return max(gaps)
 
 
 def in_turns(prepare):
-    """{system: (ms per repeat, the last repeat's tokens)}: REPEATS repeats, the systems in turns,
-    each timing the step prepare(system) returns (made untimed, outside the system's switch)."""
-    times, tokens = {s: [] for s in SYSTEMS}, {}
+    """{system: (ms per repeat, the last repeat's tokens [B, 1] and logits [B, 1, vocab])}: REPEATS
+    repeats, the systems in turns, each timing the step prepare(system) returns (made untimed, outside
+    the system's switch)."""
+    times, tokens, logits = {s: [] for s in SYSTEMS}, {}, {}
     for _ in range(REPEATS):
         for s in SYSTEMS:
             step = prepare(s)
             with system(s):
-                ms, (tokens[s], _) = timed(step)
+                ms, (tokens[s], _, logits[s]) = timed(step)
             times[s].append(ms)
-    return {s: (times[s], tokens[s]) for s in SYSTEMS}
+    return {s: (times[s], tokens[s][:, None], logits[s][:, None]) for s in SYSTEMS}
 
 
 def prefill_row(model, B, T, padded):
@@ -124,22 +146,23 @@ def cached_row(model, B, T):
 
 
 def decode_row(model, B, padded):
-    """{system: (ms per step, tokens [B, DECODE_STEPS + 1])}: greedy steps after a PROMPT-token
-    prompt, each system's whole run in turn, REPEATS // 5 runs each."""
+    """{system: (ms per step, tokens [B, DECODE_STEPS + 1], their logits [B, DECODE_STEPS + 1, vocab])}:
+    greedy steps after a PROMPT-token prompt, each system's whole run in turn, REPEATS // 5 runs each."""
     ids, mask = prompts(B, PROMPT, padded)
-    times, tokens = {s: [] for s in SYSTEMS}, {}
+    times, tokens, logits = {s: [] for s in SYSTEMS}, {}, {}
     for _ in range(max(REPEATS // 5, 1)):
         for s in SYSTEMS:
             with system(s):
-                step, cache = forward(model, ids, mask)
-                steps, m = [step], mask
+                step, cache, scores = forward(model, ids, mask)
+                steps, kept, m = [step], [scores], mask
                 for _ in range(DECODE_STEPS):
                     m = None if m is None else torch.cat((m, m.new_ones(B, 1)), 1)
-                    ms, (step, cache) = timed(lambda: forward(model, step[:, None], m, cache))
+                    ms, (step, cache, scores) = timed(lambda: forward(model, step[:, None], m, cache))
                     times[s].append(ms)
                     steps.append(step)
-            tokens[s] = torch.stack(steps, 1)
-    return {s: (times[s], tokens[s]) for s in SYSTEMS}
+                    kept.append(scores)
+            tokens[s], logits[s] = torch.stack(steps, 1), torch.stack(kept, 1)
+    return {s: (times[s], tokens[s], logits[s]) for s in SYSTEMS}
 
 
 def model_rows(out_dir, gates=tuple(GATES), quiet=False):
@@ -162,10 +185,12 @@ def model_rows(out_dir, gates=tuple(GATES), quiet=False):
                     run = lambda: decode_row(model, B, padded)
                 run()
                 results = run()
-                ms = {s: statistics.median(times) for s, (times, _) in results.items()}
+                ms = {s: statistics.median(times) for s, (times, *_) in results.items()}
+                (_, fla_tokens, fla_logits), (_, tokens, _) = results["fla"], results["kda_opt"]
                 row = dict(gate=gate, phase=phase, B=B, T=T, padded=padded, fla_ms=ms["fla"],
                            kda_opt_ms=ms["kda_opt"], speedup=ms["fla"] / ms["kda_opt"],
-                           tokens_match=bool(torch.equal(results["fla"][1], results["kda_opt"][1])))
+                           tokens_match=bool(torch.equal(fla_tokens, tokens)),
+                           parting_gap=parting_gap(fla_tokens, fla_logits, tokens))
                 show(row)
                 rows.append(row)
                 # Written row by row, so that a run cut short keeps the rows it measured.
