@@ -143,7 +143,7 @@ def test_quiet_option():
 
 
 def test_progress_without_a_bar_is_the_items_themselves(monkeypatch):
-    """quiet, or without tqdm (the CPU CI may install only the `test` extra): the items as they are."""
+    """quiet, or without tqdm (optional for the benchmark): the items as they are."""
     items = [("a", 1), ("b", 2), ("c", 3)]
     assert common.progress(items, quiet=True) is items
     monkeypatch.setitem(sys.modules, "tqdm", None)      # `from tqdm import tqdm` raises ImportError
@@ -152,7 +152,6 @@ def test_progress_without_a_bar_is_the_items_themselves(monkeypatch):
 
 def test_progress_bar_yields_every_item_in_order_and_names_it(capsys):
     """With tqdm: every item in order, the bar on stderr naming the one in hand; stdout left to the rows."""
-    pytest.importorskip("tqdm")
     items = [("a", 1), ("b", 2), ("c", 3)]
     assert list(common.progress(items, lambda item: f"case {item[0]}")) == items
     out, err = capsys.readouterr()
@@ -172,7 +171,6 @@ def test_rows_print_the_same_with_and_without_tqdm(monkeypatch, capsys):
 def test_sweep_shows_a_progress_bar_and_quiet_hides_it(monkeypatch, capsys, tmp_path):
     """The sweep end to end with the GPU's parts stood in for: a bar on stderr through every case (its
     count and the case in hand), none with --quiet, the same CSV either way."""
-    pytest.importorskip("tqdm")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")
     monkeypatch.setattr(peers, "fla_chunk_kda", lambda: object())

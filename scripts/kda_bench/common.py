@@ -187,7 +187,7 @@ def _under_bar(bar, label):
 
 
 def _tqdm():
-    """tqdm's bar, or None where it is not installed (the CPU tests need only the `test` extra)."""
+    """tqdm's bar, or None where it is not installed (the benchmark's rows run without it)."""
     try:
         from tqdm import tqdm
     except ImportError:
