@@ -256,10 +256,11 @@ def test_model_run_of_one_gate_keeps_the_other_gates_rows(tmp_path):
                                 speedup=ms, tokens_match=True)
     path = tmp_path / "model.csv"
     bench.write_table([row("softplus", 2.0), row("safe", 3.0)], path, model.FIELDS)
-    rows = model.with_other_gates([row("safe", 4.0)], path, ("safe",))
+    rows = model.with_other_gates([row("safe", 4.0)], model.earlier_rows(path, ("safe",)))
     assert [(r["gate"], r["fla_ms"], r["padded"], r["tokens_match"]) for r in rows] == [
         ("softplus", 2.0, True, True), ("safe", 4.0, True, True)]
-    assert model.with_other_gates([row("safe", 4.0)], tmp_path / "none.csv", ("safe",)) == [row("safe", 4.0)]
+    assert model.with_other_gates([row("safe", 4.0)], model.earlier_rows(tmp_path / "none.csv", ("safe",))) == [
+        row("safe", 4.0)]
 
 
 def test_parting_gap_is_flas_margin_in_bf16_steps_where_tokens_part():

@@ -170,7 +170,7 @@ def model_rows(out_dir, gates=tuple(GATES), quiet=False):
     <out_dir>/model_<gpu>.csv (and the plot) and returns the rows."""
     import kda_opt
     kda_opt.use_in_fla()
-    rows = []
+    rows, earlier = [], earlier_rows(os.path.join(out_dir, f"model_{gpu_tag()}.csv"), gates)
     with torch.inference_mode():
         for gate in gates:
             model = build(gate)
@@ -194,19 +194,23 @@ def model_rows(out_dir, gates=tuple(GATES), quiet=False):
                 show(row)
                 rows.append(row)
                 # Written row by row, so that a run cut short keeps the rows it measured.
-                written = with_other_gates(rows, os.path.join(out_dir, f"model_{gpu_tag()}.csv"), gates)
+                written = with_other_gates(rows, earlier)
                 write_rows(written, out_dir, "model", FIELDS)
             del model
     plot(written, os.path.join(out_dir, f"model_{gpu_tag()}.png"), torch.cuda.get_device_name())
     return rows
 
 
-def with_other_gates(rows, path, gates):
-    """rows after the rows of the CSV at `path` (if any) whose gate is not among `gates`, in GATES' order."""
+def earlier_rows(path, gates):
+    """The rows of the CSV at `path` (if any) whose gate is not among `gates`: a run of those gates keeps them."""
     flag = lambda v: v in (True, "True")
-    kept = [dict(r, padded=flag(r["padded"]), tokens_match=flag(r["tokens_match"]))
+    return [dict(r, padded=flag(r["padded"]), tokens_match=flag(r["tokens_match"]))
             for r in read_csv(path) if r["gate"] not in gates]
-    return sorted(kept + rows, key=lambda r: list(GATES).index(r["gate"]))
+
+
+def with_other_gates(rows, earlier):
+    """earlier rows (earlier_rows) and rows, in GATES' order."""
+    return sorted(earlier + rows, key=lambda r: list(GATES).index(r["gate"]))
 
 
 def plot(rows, path, gpu: str):
