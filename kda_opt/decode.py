@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import bound
 from .gate import gate_mode, log_decay
 from .intra import L2_EPS
 from .launch import Kernels, triton_launch
@@ -215,9 +216,9 @@ def kda_decode(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_s
                       num_accepted_tokens, out, pad_slot)
         return (o if out is None else out,
                 final if output_final_state else initial_state if inplace_final_state else None)
-    plan, kernels = decode_plan_for(dict(locals()))
-    return run(plan, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, ssm_state_indices,
-               num_accepted_tokens, out, kernels=kernels)
+    entry = decode_plan_for(dict(locals()))
+    inputs = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, ssm_state_indices, num_accepted_tokens, out)
+    return bound.call(entry, inputs, lambda: run(entry.plan, *inputs, kernels=entry.kernels))
 
 
 def run(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, cu_seqlens=None,

@@ -10,7 +10,8 @@ Pipeline) launched on the current stream.
     order    = longest_first(cu_seqlens)      packed, stage 4 in waves: its programs' order (kda_opt/seqs)
     o, S     = wuso(q, k, v, Γ, Tm, Aqk, S0)  stage 4, cuTile   (kda_opt/wuso)
 The call's plan is made once per call signature (kda_opt/plan.plan_for), with a table of its compiled
-Triton kernels, launched without the JIT's per-call work (kda_opt/launch). Each stage runs through
+Triton kernels, launched without the JIT's per-call work (kda_opt/launch); a one-pass call is then
+bound (kda_opt/bound): its launches recorded once and replayed on later calls. Each stage runs through
 `launch`, inside an NVTX range of the `kda_opt` domain where KDA_OPT_NVTX=1 asks for them; nothing
 here waits on the device.
 
@@ -24,6 +25,7 @@ import math
 import nvtx
 import torch
 
+from . import bound
 from .gate import gate_cumsum
 from .intra import intra_chunk
 from .decode import decode
@@ -207,7 +209,7 @@ def kda_forward(
             lower_bound, state_v_first, cu_seqlens, chunk_size, transpose_state_layout, initial_state_indices,
             pad_slot, has_initial_state, checkpoints, checkpoint_every, checkpoint_offsets)
         return o, final if output_final_state else None
-    plan, kernels = plan_for(dict(
+    entry = plan_for(dict(
         q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval, A_log=A_log,
@@ -216,8 +218,10 @@ def kda_forward(
         transpose_state_layout=transpose_state_layout, initial_state_indices=initial_state_indices,
         initial_state_indices_cpu=initial_state_indices_cpu, pad_slot=pad_slot, has_initial_state=has_initial_state,
         checkpoints=checkpoints, checkpoint_every=checkpoint_every, checkpoint_offsets=checkpoint_offsets))
-    return run(plan, q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, initial_state_indices,
-               has_initial_state, checkpoints, checkpoint_offsets, cu_seqlens_cpu, kernels=kernels)
+    inputs = (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, initial_state_indices, has_initial_state,
+              checkpoints, checkpoint_offsets)
+    return bound.call(entry, inputs, lambda: run(entry.plan, *inputs, cu_seqlens_cpu, kernels=entry.kernels),
+                      entry.plan.unbindable)
 
 
 # run's tensor arguments, by kda_forward's names: run(plan, **{n: arguments.get(n) for n in RUN_TENSORS}).

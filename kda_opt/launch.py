@@ -7,11 +7,14 @@ which inputs are absent, pointer alignment, the integers the kernel is specialis
 call signature; lengths that vary within one plan, a time segment's T, are marked do_not_specialize).
 So kda_opt/forward gives each plan a `Kernels` table: a kernel's first launch under the plan goes
 through the JIT (which compiles it, or finds it in its caches) and keeps the compiled kernel; later
-launches hand the arguments straight to its launcher.
+launches hand the arguments straight to its launcher. Every launch, Triton's and cuTile's, is also
+reported to the thread's recorder where one is set (kda_opt/bound records a call to replay it).
 """
 import math
 import os
+import threading
 
+import cuda.tile as ct
 import nvtx
 import torch
 from triton import knobs
@@ -24,22 +27,64 @@ def triton_launch(fn, grid, kernels: Kernels | None, *params, num_warps: int = 4
     through the JIT). The kernel's parameters: `params`, every one in order (the cheaper on the
     host), or `args` by name; num_warps: its warps (Triton's default 4)."""
     kernel = None if kernels is None else kernels.get(fn)
-    if kernel is None or _launch_hooks():
+    if kernel is None or launch_hooks():
         # First launch under the plan, or a profiler's launch hook that wants the JIT's launch
         # metadata. Under TRITON_INTERPRET the launch returns no compiled kernel: every launch is here.
         kernel = fn[grid](*params, **args, num_warps=num_warps)
         if kernels is not None and hasattr(kernel, "packed_metadata"):
             kernels[fn] = kernel
-        return
-    g = tuple(grid) + (1,) * (3 - len(grid))
-    # Tensors as their addresses: the launcher then neither calls data_ptr nor asks the driver whether
-    # each address is a device one (the plan has checked every tensor's device).
-    kernel.run(g[0], g[1], g[2], current_stream(), kernel.function, kernel.packed_metadata, None, None, None,
-               *[x.data_ptr() if isinstance(x, torch.Tensor) else x
-                 for x in (params or [args[name] for name in fn.arg_names])])
+        params = params or [args[name] for name in fn.arg_names]
+    else:
+        params = params or [args[name] for name in fn.arg_names]
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        # Tensors as their addresses: the launcher then neither calls data_ptr nor asks the driver
+        # whether each address is a device one (the plan has checked every tensor's device).
+        kernel.run(g[0], g[1], g[2], current_stream(), kernel.function, kernel.packed_metadata, None, None, None,
+                   *[x.data_ptr() if isinstance(x, torch.Tensor) else x for x in params])
+    recorder = _thread.recorder
+    if recorder is not None:
+        recorder.launched("triton", kernel, grid, params)
 
 
-def _launch_hooks() -> bool:
+def cutile_launch(grid, kernel, args) -> None:
+    """ct.launch of a cuTile kernel on the current stream (reported to the thread's recorder)."""
+    recorder = _thread.recorder
+    if recorder is not None:
+        recorder.launched("cutile", kernel, grid, args)
+    cutile(current_stream(), grid, kernel, args)
+
+
+cutile = ct.launch      # every cuTile launch of the package, the replayed ones (kda_opt/bound) included
+
+
+class _Thread(threading.local):
+    recorder = None     # kda_opt/bound's Recording of a call this thread runs, which is told each launch
+
+
+_thread = _Thread()
+
+
+def set_recorder(recorder) -> None:
+    """Make `recorder` (None: none) the one this thread's launches are reported to (kda_opt/bound)."""
+    _thread.recorder = recorder
+
+
+_constants: dict[int, torch.Tensor] = {}
+
+
+def constant(x: torch.Tensor) -> torch.Tensor:
+    """x, marked as a tensor the package keeps for good, which a bound call may take as it is
+    (kda_opt/bound): it must never be freed nor written."""
+    _constants[id(x)] = x
+    return x
+
+
+def is_constant(x: torch.Tensor) -> bool:
+    """Whether x was marked by `constant`."""
+    return _constants.get(id(x)) is x
+
+
+def launch_hooks() -> bool:
     """Whether a launch hook is set (a HookChain with calls, or a hook itself in other Triton versions)."""
     hook = knobs.runtime.launch_enter_hook
     return bool(getattr(hook, "calls", hook))

@@ -121,6 +121,16 @@ class Plan(Sizes):
     worker_warps: int
     decode: "DecodePlan | None"   # packed: its sequences of one token through kda_opt/decode, stage 4 skipping them
 
+    @property
+    def unbindable(self) -> str | None:
+        """Why a call of this plan may launch differently from another (so that it is not bound,
+        kda_opt/bound), or None."""
+        if self.parallel or len(self.segments) > 1:
+            return "it runs in segments"
+        if self.parallel_cut is not None or self.sized_launches:
+            return "its launches follow the lengths in cu_seqlens_cpu"
+        return None
+
 
 def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, *,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
@@ -209,7 +219,7 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 
 # Signatures planned (plan_for), oldest first; the oldest is dropped past PLAN_CACHE_SIZE.
 PLAN_CACHE_SIZE = 256
-_plans: dict[tuple, tuple[Plan, Kernels]] = {}
+_plans: dict[tuple, "Entry"] = {}
 # kda_forward's tensor arguments: in a signature by their metadata. Every other argument is an option,
 # in a signature by its value (bool, int, float or None; any other type is planned on every call).
 TENSOR_ARGUMENTS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens", "cu_seqlens_cpu",
@@ -221,10 +231,19 @@ OPTION_ARGUMENTS = ("scale", "output_final_state", "use_qk_l2norm_in_kernel", "u
 _OPTION_TYPES = frozenset((bool, int, float, type(None)))
 
 
-def plan_for(arguments: dict) -> tuple[Plan, Kernels]:
+class Entry:
+    """A call signature's plan, the table of its compiled Triton kernels (kda_opt/launch), and the call
+    bound from a run of it (kda_opt/bound): `bound` once made, else `unbound` says why it cannot be
+    (None: not tried yet); `runs`: its calls run unbound so far."""
+    __slots__ = ("plan", "kernels", "bound", "unbound", "runs")
+
+    def __init__(self, plan):
+        self.plan, self.kernels, self.bound, self.unbound, self.runs = plan, Kernels(), None, None, 0
+
+
+def plan_for(arguments: dict) -> Entry:
     """make_plan(**arguments) (kda_forward's arguments by name, the default tuning) made once per call
-    signature (module docstring), and the table of the plan's compiled Triton kernels
-    (kda_opt/launch). The host copies' values are checked on every call."""
+    signature (module docstring), in its Entry. The host copies' values are checked on every call."""
     entry, made = _cached(_signature(arguments), lambda: make_plan(**arguments))
     if not made:
         check_host_copies(arguments["q"].shape[1], arguments["cu_seqlens_cpu"],
@@ -233,13 +252,13 @@ def plan_for(arguments: dict) -> tuple[Plan, Kernels]:
     return entry
 
 
-def _cached(key: tuple | None, make) -> tuple[tuple, bool]:
-    """((plan, its Kernels table), whether made now): the cache's entry of `key`, or make()'s, kept
-    under `key` (the oldest dropped past PLAN_CACHE_SIZE; a None key is not kept)."""
+def _cached(key: tuple | None, make) -> tuple[Entry, bool]:
+    """(Entry, whether made now): the cache's entry of `key`, or make()'s plan's, kept under `key` (the
+    oldest dropped past PLAN_CACHE_SIZE; a None key is not kept)."""
     entry = None if key is None else _plans.get(key)
     if entry is not None:
         return entry, False
-    entry = (make(), Kernels())
+    entry = Entry(make())
     if key is not None:
         if len(_plans) >= PLAN_CACHE_SIZE:
             del _plans[next(iter(_plans))]
@@ -704,9 +723,8 @@ def decode_launch(heads: int, V: int, state_itemsize: int, v_first: bool, sms: i
 DECODE_PROGRAMS = 32
 
 
-def decode_plan_for(arguments: dict) -> tuple[DecodePlan, Kernels]:
-    """make_decode_plan(**arguments) made once per call signature (as plan_for), with its table of
-    compiled kernels."""
+def decode_plan_for(arguments: dict) -> Entry:
+    """make_decode_plan(**arguments) made once per call signature (as plan_for), in its Entry."""
     key = _signature(arguments, DECODE_TENSORS, DECODE_OPTIONS)
     return _cached(None if key is None else ("decode", *key), lambda: make_decode_plan(**arguments))[0]
 

@@ -29,7 +29,7 @@ import functools
 import cuda.tile as ct
 import torch
 
-from .launch import current_stream
+from .launch import constant, cutile_launch
 from .options import CHUNK, state_shape
 from .seqs import num_sequences
 
@@ -478,7 +478,7 @@ def _stand_in(device: torch.device, ndim: int, dtype: torch.dtype) -> torch.Tens
     """What the launch passes for an absent input (None: S0, final state, cu_seqlens, β residual,
     norms, slots, mask, checkpoints), as cuTile takes arrays only: the matching constant (HAS_S0,
     STORE_SF, PACKED, ...) compiles its access away."""
-    return torch.empty((1,) * ndim, dtype=dtype, device=device)
+    return constant(torch.empty((1,) * ndim, dtype=dtype, device=device))
 
 
 @functools.cache
@@ -592,7 +592,7 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
             launches = tuple((g, a) for g, a, count in ((long_grid, args[:-1] + (LONG_ONLY,), long_count),
                                                         (grid, args[:-2] + (False, short), short_count)) if count)
     for grid, args in launches:
-        ct.launch(current_stream(), grid, _kernel(worker_warps), args)
+        cutile_launch(grid, _kernel(worker_warps), args)
     _copy_back(final_state, pool, 0)
     _copy_back(checkpoints, rows, 1)
     return None if transition else o

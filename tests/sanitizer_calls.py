@@ -1,6 +1,7 @@
 """One small call of every launch path, for compute-sanitizer (tests/test_sanitizer.py runs this file
 under each of its tools): `python tests/sanitizer_calls.py [--poisoned] [NAME ...]` makes the calls
-named (all of them without names) and prints `call NAME` before each, so that the sanitizer's report
+named (all of them without names; each REPEATS times, its last replayed where it is bound) and prints
+`call NAME` before each, so that the sanitizer's report
 shows which call an error came from. Run with PYTORCH_NO_CUDA_MEMORY_CACHING=1, so that every tensor
 is an allocation of its own and an access past one is outside it.
 
@@ -121,6 +122,11 @@ CALLS = {
 }
 
 
+# Each call made this many times, on new inputs of one signature: the first compiles, the second is
+# recorded and the third replayed (kda_opt/bound), so that every replayed launch is checked too.
+REPEATS = 3
+
+
 def poison_allocator(large_bytes=1 << 30, small_blocks=64):
     """Every byte of the caching allocator's memory 0xFF: one large segment (split for allocations
     over 1 MiB) and `small_blocks` blocks of 1 MiB (the small pool's 2 MiB segments), freed again, so
@@ -158,7 +164,8 @@ def main(names, poisoned=False, zeroed=False):
         zero_stage4_buffers()
     for name in names or CALLS:
         print(f"call {name}", flush=True)
-        outputs = CALLS[name]()
+        for _ in range(REPEATS):
+            outputs = CALLS[name]()
         if poisoned:
             unwritten = [int(torch.isnan(x).sum()) for x in outputs if x is not None]
             if any(unwritten):

@@ -1,0 +1,234 @@
+"""A call bound once per signature: its launches recorded from one run, then replayed.
+
+Under one plan (kda_opt/plan's call signature: every tensor's shape, strides, dtype, device and
+alignment, every option) a call makes the same launches every time but for addresses: the same
+kernels, grids and integer arguments, buffers of the same sizes. So a signature's second call runs
+as ever under a Recording, which keeps each launch with its arguments, each buffer the call
+allocates, and which tensors are the call's inputs. Its later calls replay that (Bound): one
+allocation per buffer the call returns and one for all the others, then the recorded launches with
+the new addresses, without the stages' Python. (The first call is left unrecorded: it compiles.)
+
+A call is bound only where replaying it is sound, and otherwise runs as ever (Entry.unbound says
+why): every tensor a launch takes is one of the call's inputs, a buffer the call allocated or a
+constant of the package (kda_opt/launch.constant); the call runs no torch operation but allocations
+and views (a copy, a fill or a cast made outside the launches would not be replayed); and its
+launches depend on nothing outside the signature (kda_opt/plan's Plan.unbindable: no launch sized
+from a host copy's lengths, no schedule of segments).
+"""
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import launch
+
+aten = torch.ops.aten
+ALLOCATIONS = (aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided)
+ALIGN = launch.BUFFER_ALIGN     # the buffers' offsets in the one workspace allocation
+
+
+class Unbindable(Exception):
+    """Why a recorded call cannot be replayed."""
+
+
+class Recording(TorchDispatchMode):
+    """One run of a call: its launches (kda_opt/launch reports them while it is the thread's
+    recorder), the buffers it allocated, and the first torch operation it ran that is neither an
+    allocation nor a view (`reason`)."""
+
+    def __init__(self, inputs: tuple):
+        super().__init__()
+        self.inputs = inputs
+        self.buffers: list[torch.Tensor] = []
+        self.launches: list[tuple] = []       # ("triton" | "cutile", kernel, grid, arguments)
+        self.reason: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in ALLOCATIONS:
+            self.buffers.append(out)
+        elif not (func.is_view and _same_storage(out, args[0])) and self.reason is None:
+            self.reason = f"it runs {func} outside its launches"     # (contiguous counts as a view: it may copy)
+        return out
+
+    def launched(self, kind: str, kernel, grid, arguments) -> None:
+        """A launch of the call: Triton's compiled kernel (anything else, the interpreter's None
+        included, cannot be replayed) or a cuTile kernel, with its grid and arguments."""
+        if kind == "triton" and not hasattr(kernel, "packed_metadata"):
+            self.reason = self.reason or "a Triton launch gave no compiled kernel"
+        self.launches.append((kind, kernel, tuple(grid) + (1,) * (3 - len(grid)), tuple(arguments)))
+
+    def bound(self, outputs: tuple) -> "Bound":
+        """The Bound that replays this run, whose results were `outputs` (tensors or None); raises
+        Unbindable."""
+        if self.reason:
+            raise Unbindable(self.reason)
+        return Bound(self, outputs)
+
+
+def _same_storage(out, x) -> bool:
+    """Whether every tensor `out` holds is a view of x's storage."""
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    base = x.untyped_storage().data_ptr()
+    return all(isinstance(y, torch.Tensor) and y.untyped_storage().data_ptr() == base for y in outs)
+
+
+def record(call, inputs: tuple):
+    """call() run under a Recording of `inputs` (the call's tensors, None where absent): (its
+    result, the Recording)."""
+    recording = Recording(inputs)
+    launch.set_recorder(recording)
+    try:
+        with recording:
+            result = call()
+    finally:
+        launch.set_recorder(None)
+    return result, recording
+
+
+class Bound:
+    """A recorded call, replayed on new inputs of its signature: bound(inputs) → the call's result."""
+
+    def __init__(self, recording: Recording, outputs: tuple):
+        inputs, buffers = recording.inputs, recording.buffers
+        returned = {_buffer_of(y, buffers) for y in outputs if y is not None and _input_of(y, inputs) is None}
+        returned.discard(None)
+        # Each returned buffer allocated as it was (so a result holds no other buffer's memory); the
+        # others as views of one workspace at ALIGN boundaries.
+        self.returned = [(tuple(buffers[j].shape), buffers[j].stride(), buffers[j].dtype) for j in sorted(returned)]
+        place, workspace = {}, 0
+        for j in sorted(returned):
+            place[j] = (len(place), 0)
+        for j, b in enumerate(buffers):
+            if j not in returned:
+                place[j] = (len(self.returned), workspace)
+                workspace += -(-b.untyped_storage().nbytes() // ALIGN) * ALIGN
+        self.workspace = workspace
+        # What a replay computes once per call, launches then index: the addresses the Triton launches
+        # take, (None, input i) or (allocation, byte offset); the tensors cuTile's take and the call
+        # returns, (None, input i) or (allocation, dtype, shape, stride, element offset, whole).
+        self.addresses: list[tuple] = []
+        self.tensors: list[tuple] = []
+        index: dict[tuple, int] = {}
+
+        def source(x, as_tensor: bool):
+            """The index of tensor x in a replay's addresses (as_tensor False) or tensors, or
+            ("constant", x)."""
+            found = self.tensors if as_tensor else self.addresses
+            i = _input_of(x, inputs)
+            if i is not None:
+                how = (None, i)
+            else:
+                j = _buffer_of(x, buffers)
+                if j is None:
+                    if launch.is_constant(x):
+                        return ("constant", x)
+                    raise Unbindable(f"a launch takes a {list(x.shape)} {x.dtype} tensor that is neither an "
+                                     "input, a buffer of the call nor a constant")
+                allocation, offset = place[j]
+                offset += x.data_ptr() - buffers[j].data_ptr()
+                if not as_tensor:
+                    how = (allocation, offset)
+                elif offset % x.element_size():
+                    raise Unbindable("a buffer's view starts inside an element")
+                else:
+                    whole = (j in returned and offset == 0 and x.dtype == buffers[j].dtype
+                             and x.shape == buffers[j].shape and x.stride() == buffers[j].stride())
+                    how = (allocation, x.dtype, tuple(x.shape), x.stride(), offset // x.element_size(), whole)
+            key = (as_tensor, *how)
+            if key not in index:
+                index[key] = len(found)
+                found.append(how)
+            return index[key]
+
+        self.launches = []
+        for kind, kernel, grid, arguments in recording.launches:
+            cutile = kind == "cutile"
+            template = list(arguments)
+            fills = []
+            for n, x in enumerate(arguments):
+                if isinstance(x, torch.Tensor):
+                    how = source(x, cutile)
+                    if isinstance(how, tuple):          # a constant, in place
+                        template[n] = x if cutile else x.data_ptr()
+                    else:
+                        fills.append((n, how))
+            self.launches.append((cutile, kernel, grid, template, fills))
+        self.outputs = tuple(None if y is None else source(y, True) for y in outputs)
+
+    def __call__(self, inputs: tuple):
+        device = inputs[0].device
+        allocations = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                       for shape, stride, dtype in self.returned]
+        if self.workspace:
+            allocations.append(torch.empty(self.workspace, dtype=torch.uint8, device=device))
+        addresses = [inputs[i].data_ptr() if a is None else allocations[a].data_ptr() + i for a, i in self.addresses]
+        typed = {}
+        tensors = []
+        for how in self.tensors:
+            if how[0] is None:
+                tensors.append(inputs[how[1]])
+                continue
+            a, dtype, shape, stride, offset, whole = how
+            if whole:
+                tensors.append(allocations[a])
+                continue
+            if (a, dtype) not in typed:
+                typed[a, dtype] = allocations[a].view(torch.uint8).view(dtype)
+            tensors.append(typed[a, dtype].as_strided(shape, stride, offset))
+        stream = launch.current_stream()
+        for cutile, kernel, grid, template, fills in self.launches:
+            arguments = template.copy()
+            if cutile:
+                for n, t in fills:
+                    arguments[n] = tensors[t]
+                launch.cutile(stream, grid, kernel, tuple(arguments))
+            else:
+                for n, p in fills:
+                    arguments[n] = addresses[p]
+                kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, None, None, None, *arguments)
+        return tuple(None if t is None else tensors[t] for t in self.outputs)
+
+
+def _input_of(x: torch.Tensor, inputs: tuple) -> int | None:
+    """The index of the input x is (itself, or a view with its address, shape, strides and dtype),
+    or None; Unbindable where that names more than one input (one tensor passed twice)."""
+    same = [i for i, y in enumerate(inputs) if y is x]
+    if not same:
+        same = [i for i, y in enumerate(inputs) if y is not None and y.data_ptr() == x.data_ptr()
+                and y.dtype == x.dtype and y.shape == x.shape and y.stride() == x.stride()]
+    if len(same) > 1:
+        raise Unbindable("one tensor is given as two inputs")
+    return same[0] if same else None
+
+
+def _buffer_of(x: torch.Tensor, buffers: list) -> int | None:
+    """The index of the buffer x is a view of (by address), or None."""
+    address = x.data_ptr()
+    for j, b in enumerate(buffers):
+        if b.data_ptr() <= address < b.data_ptr() + max(b.untyped_storage().nbytes(), 1):
+            return j
+    return None
+
+
+def call(entry, inputs: tuple, run, unbindable: str | None = None):
+    """run(), the call of entry's plan (kda_opt/plan.Entry) on `inputs` (its tensors in a fixed order,
+    None where absent): replayed where the entry is bound; else run, and on the signature's second
+    run recorded into the entry where it may be bound (`unbindable`: the plan's reason why not, or
+    None). Every call runs as it is (no replay, no recording) while NVTX ranges or a launch hook ask
+    for each stage's launch (kda_opt/launch); a recording waits for a CUDA call outside graph capture."""
+    if launch.nvtx_enabled() or launch.launch_hooks():
+        return run()
+    if entry.bound is not None:
+        return entry.bound(inputs)
+    if entry.unbound is None:
+        if unbindable is not None:
+            entry.unbound = unbindable
+        elif inputs[0].is_cuda and not torch.cuda.is_current_stream_capturing():
+            entry.runs += 1
+            if entry.runs > 1:
+                result, recording = record(run, inputs)
+                try:
+                    entry.bound = recording.bound(result)
+                except Unbindable as e:
+                    entry.unbound = str(e)
+                return result
+    return run()

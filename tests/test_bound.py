@@ -1,0 +1,186 @@
+"""A call bound once per signature (kda_opt/bound): on the CPU with stand-in kernels, what a recording
+keeps and how a replay fills in new addresses, and every reason a call stays unbound; on the GPU,
+kda_forward's and kda_decode's replayed calls bit for bit those the stages make."""
+import types
+
+import pytest
+import torch
+
+from kda_opt import bound, launch
+from tests.conftest import gpu
+
+
+class Compiled:
+    """A stand-in for a Triton kernel compiled under a plan: it keeps each launch's arguments."""
+    function, packed_metadata = "f", "m"
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *arguments):
+        self.runs.append(arguments[9:])     # after the grid, stream, function, metadata and hooks
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    """A compiled Triton stand-in and the cuTile launches, recorded instead of launched (CPU)."""
+    tiles = []
+    monkeypatch.setattr(launch, "current_stream", lambda: 0)
+    monkeypatch.setattr(launch, "cutile", lambda stream, grid, kernel, args: tiles.append((grid, kernel, args)))
+    return Compiled(), tiles
+
+
+def a_call(compiled, a, b, extra=None):
+    """Two launches as the stages make them: a workspace of two buffers, o like b (returned)."""
+    x, y = launch.one_allocation(a.device, ((8,), torch.float32), ((2, 4), torch.bfloat16))
+    o = torch.empty_like(b)
+    launch.triton_launch("fn", (3,), {"fn": compiled}, a, y, 5, o, extra)
+    launch.cutile_launch((1, 2, 1), "kernel", (a, x, o, CONSTANT, 1.5))
+    return o, None
+
+
+CONSTANT = launch.constant(torch.zeros(1))
+
+
+def test_replay_fills_in_the_new_addresses(stand_ins):
+    compiled, tiles = stand_ins
+    a, b = torch.randn(3), torch.randn(2, 2)
+    (o, none), recording = bound.record(lambda: a_call(compiled, a, b), (a, b, None))
+    replay = recording.bound((o, none))
+    y_offset = compiled.runs[0][1] - recording.buffers[0].data_ptr()    # y's place in the workspace
+    compiled.runs.clear(), tiles.clear()
+    a2, b2 = torch.randn(3), torch.randn(2, 2)
+    o2, none2 = replay((a2, b2, None))
+    assert none2 is None and o2.shape == b.shape and o2.dtype == b.dtype and o2.data_ptr() != o.data_ptr()
+    (args,), ((grid, kernel, tile_args),) = compiled.runs, tiles
+    assert args[0] == a2.data_ptr() and args[2:] == (5, o2.data_ptr(), None) and type(args[1]) is int
+    assert grid == (1, 2, 1) and kernel == "kernel" and tile_args[0] is a2 and tile_args[2] is o2
+    assert tile_args[3] is CONSTANT and tile_args[4] == 1.5
+    x2 = tile_args[1]
+    assert x2.shape == (8,) and x2.dtype == torch.float32 and args[1] - x2.data_ptr() == y_offset
+    # o is an allocation of its own; the workspace holds the rest.
+    assert o2.untyped_storage().data_ptr() != x2.untyped_storage().data_ptr()
+    assert o2.untyped_storage().nbytes() == o.untyped_storage().nbytes()
+
+
+UNBOUND = {
+    "a torch operation": (lambda c, a, b: (a_call(c, a, b), b.add_(1)), "aten.add_"),
+    "a copy by contiguous": (lambda c, a, b: a_call(c, a, b.t().contiguous()), "clone|contiguous"),
+    "a tensor from outside": (lambda c, a, b: a_call(c, a, b, extra=OUTSIDE), "neither an input"),
+    "one tensor as two inputs": (lambda c, a, b: a_call(c, a, b), "two inputs"),
+    "no compiled kernel": (lambda c, a, b: a_call(None, a, b), "no compiled kernel"),
+}
+OUTSIDE = torch.zeros(2)
+
+
+@pytest.mark.parametrize("case", list(UNBOUND))
+def test_unbound_calls_say_why(stand_ins, monkeypatch, case):
+    compiled, _ = stand_ins
+    call, words = UNBOUND[case]
+    a, b = torch.randn(3), torch.randn(2, 2)
+    inputs = (a, b, a) if case == "one tensor as two inputs" else (a, b)
+    if case == "no compiled kernel":       # the interpreter's launch: the JIT, which gives no compiled kernel
+        monkeypatch.setattr(launch, "triton_launch", _jit_launch)
+    result, recording = bound.record(lambda: call(compiled, a, b), inputs)
+    with pytest.raises(bound.Unbindable, match=words):
+        recording.bound(result[0] if isinstance(result[0], tuple) else result)
+
+
+def _jit_launch(fn, grid, kernels, *params, **args):
+    launch._thread.recorder.launched("triton", None, grid, params)
+
+
+def test_call_records_the_second_run_and_replays_later_ones(monkeypatch):
+    """bound.call: the first run plain, the second recorded into the entry, later ones replayed;
+    an unbindable plan, NVTX ranges and launch hooks run plain."""
+    entry = types.SimpleNamespace(bound=None, unbound=None, runs=0)
+    x = types.SimpleNamespace(is_cuda=True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    recorded = []
+    monkeypatch.setattr(bound, "record", lambda run, inputs: (recorded.append(inputs) or run(), _Recording()))
+    runs = []
+    run = lambda: runs.append(1) or "ran"
+    assert [bound.call(entry, (x,), run) for _ in range(3)] == ["ran", "ran", "replayed"]
+    assert len(runs) == 2 and len(recorded) == 1
+    monkeypatch.setenv(launch.NVTX_VARIABLE, "1")
+    assert bound.call(entry, (x,), run) == "ran"
+    monkeypatch.setenv(launch.NVTX_VARIABLE, "0")
+    plain = types.SimpleNamespace(bound=None, unbound=None, runs=0)
+    assert [bound.call(plain, (x,), run, "it runs in segments") for _ in range(3)] == ["ran"] * 3
+    assert plain.unbound == "it runs in segments" and len(recorded) == 1
+
+
+class _Recording:
+    def bound(self, result):
+        return lambda inputs: "replayed"
+
+
+# ---- on the GPU: replays bit for bit the stages' calls ----
+
+def _calls():
+    """({name: kda_forward's arguments}, {name: kda_decode's}), each drawn anew on every call."""
+    from tests.sanitizer_calls import H, K, MIXED, checkpointed, decode_call, pool_call
+    from kda_bench.inputs import random_inputs
+    no_host_copy = lambda a: {n: x for n, x in a.items() if n != "cu_seqlens_cpu"}
+    return {
+        "dense": lambda: random_inputs(2, 200, H, K, output_final_state=False),
+        "FlashKDA's call": lambda: random_inputs(1, 300, H, K, initial_state=True, l2norm=True, beta_logits=True,
+                                                 state_v_first=True),
+        "softplus, bf16 gate parameters": lambda: {**(a := random_inputs(1, 130, H, K, gate="softplus")),
+                                                   "A_log": a["A_log"].bfloat16(), "dt_bias": a["dt_bias"].bfloat16()},
+        "packed, one-token sequences routed": lambda: no_host_copy(random_inputs(
+            1, sum(MIXED), H, K, seqlens=MIXED, initial_state=True, l2norm=True, beta_logits=True)),
+        "a pool": lambda: no_host_copy(pool_call(MIXED, [5, -1, 0, 9, 2, 3, 1, -1], 10,
+                                                 has=[True, True, False, True, True, True, False, True])),
+        "checkpoints": lambda: no_host_copy(checkpointed(MIXED, 128, state_v_first=True)),
+        "fp32": lambda: random_inputs(1, 200, H, K, dtype=torch.float32, initial_state=True),
+    }, {
+        "decode, dense states": lambda: {**decode_call([1, 3, 0, 2], None, 0),
+                                         "initial_state": torch.randn(4, H, K, K, device="cuda"),
+                                         "output_final_state": True},
+        "decode, a pool in place": lambda: decode_call([1] * 6, torch.tensor([5, -1, 0, 9, 2, 4]), 8),
+    }
+
+
+CALL_NAMES = ["dense", "FlashKDA's call", "softplus, bf16 gate parameters", "packed, one-token sequences routed",
+              "a pool", "checkpoints", "fp32", "decode, dense states", "decode, a pool in place"]
+
+
+@gpu
+@pytest.mark.parametrize("name", CALL_NAMES)
+def test_replayed_calls_equal_the_stages(name):
+    """A signature's third call is replayed; on new inputs it gives bit for bit what the stages give
+    (kda_opt/forward.run, kda_opt/decode.run), pools and checkpoints included."""
+    import kda_opt.decode as decode
+    import kda_opt.forward as forward
+    from kda_opt.plan import decode_plan_for, plan_for
+    forward_calls, decode_calls = _calls()
+    is_decode = name in decode_calls
+    make = (decode_calls if is_decode else forward_calls)[name]
+    function = decode.kda_decode if is_decode else forward.kda_forward
+    for _ in range(2):
+        function(**make())
+    args = make()
+    written = [n for n in ("initial_state", "checkpoints") if n in args and (
+        "initial_state_indices" in args or "ssm_state_indices" in args or n == "checkpoints")]
+    again = {**args, **{n: args[n].new_empty_strided(args[n].shape, args[n].stride()).copy_(args[n]) for n in written}}
+    replayed = function(**args)
+    if is_decode:
+        import inspect
+        named = inspect.signature(decode.kda_decode).bind(**again)
+        named.apply_defaults()
+        entry = decode_plan_for(dict(named.arguments))
+        stages = decode.run(entry.plan, *(named.arguments[n] for n in (
+            "q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens", "ssm_state_indices",
+            "num_accepted_tokens", "out")), kernels=entry.kernels)
+    else:
+        import inspect
+        named = inspect.signature(forward.kda_forward).bind(**again)
+        named.apply_defaults()
+        entry = plan_for(dict(named.arguments))
+        stages = forward.run(entry.plan, **{n: named.arguments[n] for n in forward.RUN_TENSORS}, kernels=entry.kernels)
+    assert entry.bound is not None, entry.unbound
+    for x, y in zip(replayed, stages):
+        assert (x is None) == (y is None) and (x is None or torch.equal(x, y))
+    for n in written:
+        assert torch.equal(args[n], again[n]), n
