@@ -206,17 +206,16 @@ def test_model_gates_option(monkeypatch, capsys):
     assert e.value.code == 2
 
 
-def test_model_systems_switch_flas_dispatch_and_restore_it(monkeypatch):
-    from kda_bench import model
+def test_systems_switch_flas_dispatch_and_restore_it(monkeypatch):
     monkeypatch.setenv("FLA_KDA_OPT", "7")
     for system, value in (("kda_opt", "1"), ("fla", "0")):
-        with model.system(system):
-            assert model.os.environ["FLA_KDA_OPT"] == value
-        assert model.os.environ["FLA_KDA_OPT"] == "7"
+        with common.system(system):
+            assert common.os.environ["FLA_KDA_OPT"] == value
+        assert common.os.environ["FLA_KDA_OPT"] == "7"
     monkeypatch.delenv("FLA_KDA_OPT")
-    with model.system("fla"):
+    with common.system("fla"):
         pass
-    assert "FLA_KDA_OPT" not in model.os.environ
+    assert "FLA_KDA_OPT" not in common.os.environ
 
 
 def test_model_rows_take_turns_and_time_what_they_name(monkeypatch):
@@ -563,7 +562,35 @@ def test_host_rows_make_the_calls_they_name(monkeypatch):
         assert ("initial_state_indices_cpu" in a) == ("indices_cpu" in name), name
         assert ("checkpoints" in a) == ("checkpoints" in name), name
         assert set(runs) == ({"kda_opt"} if "pool" in extra else
-                             {"kda_opt", "fla"} | ({"flashkda"} if case.config == "flashkda" else set())), name
+                             {"kda_opt", "fla", "via_fla"} | ({"flashkda"} if case.config == "flashkda" else set())), name
+
+
+def test_host_decode_rows_make_the_layers_call(monkeypatch):
+    """--test host's decode rows: kda_decode on the call FLA's KDA layer makes (its bf16 gate
+    parameters, an fp32 V-first state, the final state out), B requests or packed with cu_seqlens;
+    FLA's fused_recurrent_kda on the same arguments, with its dispatch set to keep the call (fla) or
+    send it to kda_opt (via_fla)."""
+    from kda_bench import host
+    real_inputs = host.random_inputs
+    monkeypatch.setattr(host, "random_inputs", lambda *a, **kw: real_inputs(*a, **kw, device="cpu"))
+    seen = []
+    fla_ops = types.ModuleType("fla.ops.kda")
+    fla_ops.fused_recurrent_kda = lambda **a: seen.append((common.os.environ["FLA_KDA_OPT"], a))
+    monkeypatch.setitem(sys.modules, "fla.ops.kda", fla_ops)
+    for name, B, packed in host.DECODE_CALLS:
+        made = []
+        runs = host.decode_calls(B, packed, kda_decode=lambda **a: made.append(a))
+        assert set(runs) == {"kda_opt", "fla", "via_fla"}
+        seen.clear()
+        for system in runs.values():
+            system()
+        (a,) = made
+        assert [env for env, _ in seen] == ["0", "1"] and all(b is a[n] for (_, f) in seen for n, b in f.items()), name
+        assert a["A_log"].dtype == a["dt_bias"].dtype == torch.bfloat16 and a["output_final_state"], name
+        assert a["initial_state"].dtype == torch.float32 and a["state_v_first"], name
+        assert a["q"].shape[:2] == ((1, B) if packed else (B, 1)) and ("cu_seqlens" in a) == packed, name
+        if packed:
+            assert a["cu_seqlens"].tolist() == list(range(B + 1)), name
 
 
 def test_cp_rows_make_the_calls_they_name(monkeypatch):

@@ -507,7 +507,8 @@ def main(argv=None) -> int:
     ok = True
     if args.test == "host":
         rows = host.host_rows(fla, args.out_dir, args.quiet)
-        print(f"\n{'call':42s} {'ours host':>9} {'FLA host':>9} {'FKDA host':>9} {'eager':>7} {'graph':>7}")
+        print(f"\n{'call':42s} {'ours host':>9} {'FLA host':>9} {'via FLA':>9} {'FKDA host':>9} {'eager':>9} "
+              f"{'graph':>9}")
         for r in rows:
             cells = [r[f] for f in host.FIELDS[1:]]
             print(f"{r['call']:42s} " + " ".join(f"{c:9.4f}" if isinstance(c, float) else f"{c:>9}" for c in cells))

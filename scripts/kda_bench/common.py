@@ -3,6 +3,7 @@ the case a row measures (Case, its dtypes and call configurations), the timings 
 planned_call, host_ms, graph_ms), the rows as printed (show, echo) and as CSV files (write_rows,
 write_table, read_csv, gpu_tag), and the progress bar over a mode's rows (progress).
 """
+import contextlib
 import csv
 import dataclasses
 import itertools
@@ -226,3 +227,18 @@ def read_csv(path):
 
 def gpu_tag():
     return torch.cuda.get_device_name().replace("NVIDIA ", "").split()[0].lower()
+
+
+@contextlib.contextmanager
+def system(name: str):
+    """FLA's dispatch sends its KDA calls to kda_opt ("kda_opt", once kda_opt.use_in_fla() has
+    registered it) or keeps them ("fla"): FLA_KDA_OPT, which it reads on every call."""
+    before = os.environ.get("FLA_KDA_OPT")
+    os.environ["FLA_KDA_OPT"] = "1" if name == "kda_opt" else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("FLA_KDA_OPT")
+        else:
+            os.environ["FLA_KDA_OPT"] = before

@@ -8,14 +8,21 @@ layer (Kimi-Linear calls KDA once per layer; prefill steps usually run outside C
     eager ms   the call's median time (do_bench) as launched, for kda_opt
     graph ms   the same call replayed from a CUDA graph (common.graph_ms): eager / graph is what the
                host costs the GPU
-Rows (HOST_CALLS): Kimi-Linear's H = 32, K = V = 128, bf16, an fp32 initial state; FLA and FlashKDA
-where they make the call as it is (empty otherwise). Every call runs under torch.inference_mode(), as
-a serving engine runs its model. Written to <out-dir>/host_<gpu>.csv.
+Systems: kda_opt called directly (kda_forward, kda_decode); FLA's own function (fla), and the same
+function with kda_opt registered in FLA (`use_in_fla`), which FLA's dispatch then sends the call to
+(via_fla); both FLA columns set FLA_KDA_OPT around each call (common.system), so that they pay the
+same for it; FlashKDA.
+Rows: HOST_CALLS, prefill calls at Kimi-Linear's H = 32, K = V = 128, bf16, an fp32 initial state;
+DECODE_CALLS, the decode call FLA's KDA layer makes (fused_recurrent_kda: its bf16 A_log and
+dt_bias, the softplus gate, an fp32 V-first state in, the final state out). A system that does not
+make a row's call as it is leaves its cell empty. Every call runs under torch.inference_mode(), as a
+serving engine runs its model. Written to <out-dir>/host_<gpu>.csv.
 """
 import torch
 
 from . import peers, serving
-from .common import NOT_RUN, Case, graph_ms, host_ms, progress, show, write_rows
+from .common import NOT_RUN, Case, graph_ms, host_ms, progress, show, system, write_rows
+from .inputs import random_inputs
 
 H, K = 32, 128
 # (row name, Case fields, what the call adds to the case's arguments): every configuration the
@@ -33,11 +40,41 @@ HOST_CALLS = [
     ("serving 8x64 state pool, indices_cpu", dict(T=512, seqlens=PACKED, config="serving"), "pool, indices_cpu"),
     ("serving 8x64 checkpoints", dict(T=512, seqlens=PACKED, config="serving"), "pool, checkpoints"),
 ]
-FIELDS = ["call", "kda_opt_host_ms", "fla_host_ms", "flashkda_host_ms", "kda_opt_eager_ms", "kda_opt_graph_ms"]
+# (row name, requests, packed): B requests of one token each, or packed along T with cu_seqlens (the
+# layer's call on a left-padded batch).
+DECODE_CALLS = [("decode B=2, FLA's layer call", 2, False), ("decode B=64, FLA's layer call", 64, False),
+                ("decode B=2 packed (cu_seqlens)", 2, True)]
+FIELDS = ["call", "kda_opt_host_ms", "fla_host_ms", "via_fla_host_ms", "flashkda_host_ms", "kda_opt_eager_ms",
+          "kda_opt_graph_ms"]
+
+
+def through_fla(function, args) -> dict:
+    """{"fla": FLA's own `function` on args, "via_fla": the same sent to kda_opt by FLA's dispatch}."""
+    def run(name):
+        def call():
+            with system(name):
+                return function(**args)
+        return call
+    return {"fla": run("fla"), "via_fla": run("kda_opt")}
+
+
+def decode_calls(B: int, packed: bool, kda_decode) -> dict:
+    """{system: call} for a decode row: kda_decode, and FLA's fused_recurrent_kda (own and via_fla)."""
+    from fla.ops.kda import fused_recurrent_kda
+    a = random_inputs(B, 1, H, K, gate="softplus", l2norm=True, beta_logits=True, state_v_first=True,
+                      initial_state=True)
+    args = {n: a[n] for n in ("q", "k", "v", "g", "beta", "initial_state", "use_qk_l2norm_in_kernel",
+                              "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "state_v_first")}
+    args.update(A_log=a["A_log"].bfloat16(), dt_bias=a["dt_bias"].bfloat16(), output_final_state=True)
+    if packed:
+        args.update({n: args[n].view(1, B, *args[n].shape[2:]) for n in ("q", "k", "v", "g", "beta")},
+                    cu_seqlens=torch.arange(B + 1, dtype=torch.int32, device=a["q"].device))
+    return {"kda_opt": lambda: kda_decode(**args), **through_fla(fused_recurrent_kda, args)}
 
 
 def calls(case: Case, extra: str, fla, kda_forward):
-    """{system: call} for one row: kda_opt always, FLA and FlashKDA where they make the call as it is."""
+    """{system: call} for one row: kda_opt always, FLA (own and via_fla) and FlashKDA where they make
+    the call as it is."""
     args = case.inputs()
     if extra == "no host copy":
         args.pop("cu_seqlens_cpu")
@@ -50,7 +87,7 @@ def calls(case: Case, extra: str, fla, kda_forward):
         if "checkpoints" in extra:
             args["checkpoints"] = serving.checkpoint_buffer(pool, 1, case.T, slots.shape[0])
         return {"kda_opt": lambda: kda_forward(**args)}
-    runs = {"kda_opt": lambda: kda_forward(**args), "fla": lambda: fla(**args)}
+    runs = {"kda_opt": lambda: kda_forward(**args), **through_fla(fla, args)}
     flashkda, _ = peers.flashkda(args)
     if flashkda:
         runs["flashkda"] = flashkda
@@ -62,17 +99,23 @@ def host_rows(fla, out_dir, quiet=False):
     """Measures every row of HOST_CALLS (a progress bar unless quiet), writes <out_dir>/host_<gpu>.csv and
     returns the rows."""
     from triton.testing import do_bench
-    from kda_opt import kda_forward
+    import kda_opt
+    kda_opt.use_in_fla()
     rows = []
-    for name, fields, extra in progress(HOST_CALLS, lambda c: c[0], quiet):
-        case = Case(**{"B": 1, "H": H, "K": K, "gate": "safe", "lower_bound": -5.0, "dtype": torch.bfloat16,
-                       "seed": 0, **fields})
-        runs = calls(case, extra, fla, kda_forward)
+    every = [(name, fields, extra) for name, fields, extra in HOST_CALLS] + [(name, B, packed) for name, B, packed
+                                                                          in DECODE_CALLS]
+    for name, fields, extra in progress(every, lambda c: c[0], quiet):
+        if isinstance(fields, dict):
+            case = Case(**{"B": 1, "H": H, "K": K, "gate": "safe", "lower_bound": -5.0, "dtype": torch.bfloat16,
+                           "seed": 0, **fields})
+            runs = calls(case, extra, fla, kda_opt.kda_forward)
+        else:
+            runs = decode_calls(fields, extra, kda_opt.kda_decode)
         for f in runs.values():   # JIT and FLA's autotuning stay out of the timings
             f()
         host = host_ms(runs)
         row = dict(call=name, kda_opt_host_ms=host["kda_opt"], fla_host_ms=host.get("fla", NOT_RUN),
-                   flashkda_host_ms=host.get("flashkda", NOT_RUN),
+                   via_fla_host_ms=host.get("via_fla", NOT_RUN), flashkda_host_ms=host.get("flashkda", NOT_RUN),
                    kda_opt_eager_ms=do_bench(runs["kda_opt"], return_mode="median"),
                    kda_opt_graph_ms=graph_ms(runs["kda_opt"]))
         show(row)

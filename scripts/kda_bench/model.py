@@ -17,7 +17,6 @@ FLA's own path is selected by FLA_KDA_OPT=0, which FLA's dispatch reads on every
 Written to <out-dir>/model_<gpu>.csv after every row, and a plot (.png) at the end; a run of some
 gates (--model-gates) keeps the other gates' rows already there.
 """
-import contextlib
 import copy
 import os
 import statistics
@@ -25,7 +24,7 @@ import time
 
 import torch
 
-from .common import NOT_RUN, gpu_tag, progress, read_csv, show, write_rows
+from .common import NOT_RUN, gpu_tag, progress, read_csv, show, system, write_rows
 
 CONFIG = dict(hidden_size=2048, num_heads=32, head_dim=128, num_hidden_layers=2, vocab_size=4096)
 GATES = {"softplus": dict(), "safe": dict(safe_gate=True, lower_bound=-5.0)}
@@ -45,20 +44,6 @@ def build(gate: str):
     torch.manual_seed(0)
     model = KDAForCausalLM(KDAConfig(**CONFIG, **GATES[gate]))
     return model.to("cuda", torch.bfloat16).eval()
-
-
-@contextlib.contextmanager
-def system(name: str):
-    """FLA's dispatch sends its KDA calls to kda_opt ("kda_opt") or keeps them ("fla")."""
-    before = os.environ.get("FLA_KDA_OPT")
-    os.environ["FLA_KDA_OPT"] = "1" if name == "kda_opt" else "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("FLA_KDA_OPT")
-        else:
-            os.environ["FLA_KDA_OPT"] = before
 
 
 def prompts(B: int, T: int, padded: bool, seed: int = 0, device="cuda"):
