@@ -229,6 +229,7 @@ OPTION_ARGUMENTS = ("scale", "output_final_state", "use_qk_l2norm_in_kernel", "u
                     "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate", "lower_bound", "state_v_first",
                     "chunk_size", "checkpoint_every", "pad_slot")
 _OPTION_TYPES = frozenset((bool, int, float, type(None)))
+_TENSORS_OF, _OPTIONS_OF = operator.itemgetter(*TENSOR_ARGUMENTS), operator.itemgetter(*OPTION_ARGUMENTS)
 
 
 class Entry:
@@ -266,20 +267,21 @@ def _cached(key: tuple | None, make) -> tuple[Entry, bool]:
     return entry, True
 
 
-def _signature(arguments: dict, tensors=TENSOR_ARGUMENTS, options=OPTION_ARGUMENTS) -> tuple | None:
+def _signature(arguments: dict, tensors=_TENSORS_OF, options=_OPTIONS_OF) -> tuple | None:
     """What make_plan's checks and choices read from a call, but the host copies' values: a hashable
     key, or None where an argument is of a type no signature holds (it is then planned every call,
     and the checks say what is wrong with it) or the call asks for a warning (transpose_state_layout).
-    arguments: kda_forward's, every one by name (or kda_decode's, with its tensors and options)."""
+    arguments: kda_forward's, every one by name (or kda_decode's); tensors, options: the getters of
+    their tensor and option arguments (operator.itemgetter, which reads them all at once)."""
     if arguments.get("transpose_state_layout") is not None:
         return None
-    values = tuple(arguments[name] for name in options)
-    if not all(type(x) in _OPTION_TYPES for x in values):
-        return None
+    values = options(arguments)
+    for x in values:
+        if type(x) not in _OPTION_TYPES:
+            return None
     grad = torch.is_grad_enabled()
     key = [grad, values]
-    for name in tensors:
-        x = arguments[name]
+    for x in tensors(arguments):
         if x is None:
             key.append(None)
         elif isinstance(x, torch.Tensor):
@@ -639,6 +641,7 @@ DECODE_TENSORS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state
 DECODE_OPTIONS = ("scale", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
                   "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "lower_bound", "state_v_first",
                   "inplace_final_state", "pad_slot")
+_DECODE_TENSORS_OF, _DECODE_OPTIONS_OF = operator.itemgetter(*DECODE_TENSORS), operator.itemgetter(*DECODE_OPTIONS)
 
 
 def make_decode_plan(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
@@ -725,7 +728,7 @@ DECODE_PROGRAMS = 32
 
 def decode_plan_for(arguments: dict) -> Entry:
     """make_decode_plan(**arguments) made once per call signature (as plan_for), in its Entry."""
-    key = _signature(arguments, DECODE_TENSORS, DECODE_OPTIONS)
+    key = _signature(arguments, _DECODE_TENSORS_OF, _DECODE_OPTIONS_OF)
     return _cached(None if key is None else ("decode", *key), lambda: make_decode_plan(**arguments))[0]
 
 
@@ -733,7 +736,7 @@ def decode_checks(arguments: dict) -> None:
     """make_decode_plan's checks of kda_decode's arguments (every one by name), made once per call
     signature (as plan_for; the launch choices are not needed, nor the device checks, which the call's
     own plan makes): raises as they do."""
-    key = _signature(arguments, DECODE_TENSORS, DECODE_OPTIONS)
+    key = _signature(arguments, _DECODE_TENSORS_OF, _DECODE_OPTIONS_OF)
     _cached(None if key is None else ("checked", *key), lambda: make_decode_plan(**arguments, sms=1))
 
 
