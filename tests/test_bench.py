@@ -441,6 +441,14 @@ def test_sweep_rows():
     assert [(c.B, c.T, c.H) for c in load[:3]] == [(1, 8192, 96), (8, 4096, 32), (2, 16384, 64)]
     assert [c.seqlens for c in load[3:]] == [long64.seqlens, many512.seqlens]
     assert {(c.config, c.gate) for c in load} == {("flashkda", "safe")}
+    tp = bench.sweep_cases(bench.parse_args(["--sweep-rows", "tp", "--sweep-gates", "safe"]))
+    assert {(c.B, c.T, c.H) for c in tp[:18]} == {(B, T, H) for B in (1, 4) for T in (8192, 32768, 131072)
+                                                   for H in (8, 12, 24)}
+    one_long8k, one_long32k, lognormal16, lognormal64 = tp[18:]
+    for mix, long in ((one_long8k, 8192), (one_long32k, 32768)):
+        assert (mix.H, sorted(mix.seqlens)[-1], sorted(mix.seqlens)[-2] <= bench.MIN_SEQ_LEN) == (12, long, True)
+    assert (lognormal16.H, len(lognormal16.seqlens), max(lognormal16.seqlens) <= 32768) == (12, 16, True)
+    assert 15000 <= lognormal16.T <= 80000 and (lognormal64.H, len(lognormal64.seqlens)) == (12, 64)
 
 
 def test_sweep_in_flashkda_configuration():

@@ -62,6 +62,13 @@ MIN_SEQ_LEN, NUM_SEQS = 64, 64
 LOAD_SHAPES = [(1, 8192, 96), (8, 4096, 32), (2, 16384, 64)]
 LOAD_PACKED = [(("lognormal", 64, 2400, 32768), 32), ((512,) * 512, 32)]
 SWEEP_PACKED = [("drawn", 32)] + PEER_PACKED + LOAD_PACKED
+# Tensor-parallel shards: the heads one GPU holds (a Kimi-K3-class model's 96 KDA heads over 8 GPUs:
+# 12, over 4: 24; GLM-class models 8), fixed lengths (B, T, H); and chunked-prefill steps at H = 12:
+# one long request's chunk beside short ones (short_mix_lengths), and lognormal mixes (16 requests of
+# median 2048 in [1, 32768], 51,504 tokens at seed 0; 64 of median 512 in [1, 8192], 53,549).
+TP_SHAPES = [(B, T, H) for B in (1, 4) for T in (8192, 32768, 131072) for H in (8, 12, 24)]
+TP_PACKED = [(("short", 32, (8192,)), 12), (("short", 16, (32768,)), 12), (("lognormal", 16, 2048, 32768), 12),
+             (("lognormal", 64, 512, 8192), 12)]
 # Serving steps at Kimi-Linear's H = 32 (CONFIGS["serving"]): the peers' six-request mix, and 64
 # requests drawn in [MIN_SEQ_LEN, 1024] (seed 1).
 SERVING_STEPS = [((1300, 547, 2048, 963, 271, 3063), 32), (("drawn", 1024, 1), 32)]
@@ -107,14 +114,16 @@ def parse_args(argv=None):
     p.add_argument("--sweep-gates", help="gate modes the sweep runs (default safe,softplus; safe with "
                                          "--config flashkda); its rows replace those of the same case "
                                          "in an existing CSV, so a sweep can be run in parts")
-    p.add_argument("--sweep-rows", choices=["all", "shapes", "serving", "peers", "short", "step", "dtypes", "load"],
+    p.add_argument("--sweep-rows", choices=["all", "shapes", "serving", "peers", "short", "step", "dtypes", "load",
+                                             "tp"],
                    default="all",
                    help="which of the sweep's rows run: all; shapes (fixed-length SWEEP_SHAPES); serving "
                         "(the packed mixes and the l2norm row); peers (the peers' rows: PEER_SHAPES, then "
                         "PEER_PACKED); short (the many-short-sequence mixes alone, SHORT_MIXES); step (the "
                         "serving step with a state pool, SERVING_STEPS: kda_bench/serving); dtypes (the "
                         "default shape with bf16 and with fp32 q, k, v: --dtype is then not used); load "
-                        "(prefill under load: LOAD_SHAPES, then LOAD_PACKED)")
+                        "(prefill under load: LOAD_SHAPES, then LOAD_PACKED); tp (tensor-parallel shards, "
+                        "8-24 heads a GPU: TP_SHAPES, then the chunked-prefill steps TP_PACKED)")
     p.add_argument("--resume", action="store_true",
                    help="--sweep: skip the cases that already have a row in the CSV, so that the same command, "
                         "run again, measures only what an interrupted sweep left")
@@ -196,8 +205,9 @@ def case_from_args(args, B=None, T=None, H=None, gate=None):
 
 
 def sweep_cases(args):
-    """The sweep's rows (SWEEP_SHAPES, SWEEP_PACKED, the l2norm row; or PEER_SHAPES and PEER_PACKED; or
-    SHORT_MIXES: --sweep-rows picks) in --config, per gate mode."""
+    """The sweep's rows (SWEEP_SHAPES, SWEEP_PACKED, the l2norm row; or PEER_SHAPES and PEER_PACKED;
+    SHORT_MIXES; SERVING_STEPS; the dtypes; LOAD_SHAPES and LOAD_PACKED; TP_SHAPES and TP_PACKED:
+    --sweep-rows picks) in --config, per gate mode."""
     base = Case(1, 8192, 96, args.head_dim, "safe", args.lower_bound, DTYPES[args.dtype], args.seed,
                 config=args.config, initial_state=args.initial_state, decay=args.decay)
     cases = []
@@ -222,6 +232,8 @@ def sweep_cases(args):
             cases += [at(dtype=dtype) for dtype in (torch.bfloat16, torch.float32)]
         if args.sweep_rows == "load":
             cases += shapes(LOAD_SHAPES) + mixes(LOAD_PACKED)
+        if args.sweep_rows == "tp":
+            cases += shapes(TP_SHAPES) + mixes(TP_PACKED)
     return cases
 
 
