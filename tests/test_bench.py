@@ -525,6 +525,75 @@ def test_flashkda_call_and_refusals(monkeypatch):
     assert peers.flashkda(args) == (None, "flash_kda is not installed")
 
 
+def cudnn_stand_in(monkeypatch, declines=()):
+    """cudnn.linear_attention with a kimi_delta_attention that keeps its calls and returns o [T, HV, V]
+    and a final state [N, HV, V, K] of zeros (an engine in `declines` raises, as the frontend does)."""
+    calls = []
+
+    def kimi_delta_attention(q, k, v, g, beta, cu_seqlens, **options):
+        if options["plan_name"] in declines:
+            raise RuntimeError(f"no {options['plan_name']} plan for this graph")
+        calls.append(((q, k, v, g, beta, cu_seqlens), options))
+        N, (HV, V), K = cu_seqlens.numel() - 1, v.shape[1:], q.shape[-1]
+        return v.new_zeros(v.shape), torch.zeros(N, HV, V, K)
+    module = types.ModuleType("cudnn.linear_attention")
+    module.kimi_delta_attention = kimi_delta_attention
+    monkeypatch.setitem(sys.modules, "cudnn", types.ModuleType("cudnn"))
+    monkeypatch.setitem(sys.modules, "cudnn.linear_attention", module)
+    return calls
+
+
+def test_cudnn_call_takes_kda_forwards_arguments_in_its_form(monkeypatch):
+    """The cuDNN columns' call: cuDNN's kimi_delta_attention gets the tokens flat [B·T, heads, ...],
+    int32 cu_seqlens (B sequences of T without them), the state V-first, the safe gate as its own
+    (A_log, dt_bias [HV, K], the lower bound), the norm and β options and the engine by name; o comes
+    back [B, T, HV, V] and the final state in the call's layout. The softplus gate is refused, and an
+    engine that declines is reported with its reason."""
+    calls = cudnn_stand_in(monkeypatch, declines=("kda_hopper",))
+    c = bench.case_from_args(bench.parse_args(["--seq-lens", "100,28", "--num-heads", "2", "--config", "flashkda"]))
+    args = c.inputs(device="cpu", initial_state=True)
+    call, why_not = peers.cudnn(args, "kda_hopper_cuda")
+    assert why_not is None and len(calls) == 1          # tried once, untimed
+    o, final = call()
+    (q, k, v, g, beta, cu), options = calls[-1]
+    assert q.shape == (128, 2, 128) and beta.shape == (128, 2) and cu.dtype == torch.int32 and cu.tolist() == [0, 100, 128]
+    assert options["safe_gate"] and options["gate_lower_bound"] == -5.0 and options["a_log"] is args["A_log"]
+    assert options["dt_bias"].shape == (2, 128) and options["initial_state"] is args["initial_state"]
+    assert options["use_qk_l2norm_in_kernel"] and options["use_beta_sigmoid_in_kernel"]
+    assert options["plan_name"] == "kda_hopper_cuda" and options["output_final_state"]
+    assert o.shape == (1, 128, 2, 128) and final.shape == (2, 2, 128, 128)
+    call, why_not = peers.cudnn(args, "kda_hopper")
+    assert call is None and "kda_hopper" in why_not and "no kda_hopper plan" in why_not
+    # K-first states, a fixed-length batch, the log-decay gate: transposed there and back, B sequences.
+    args = random_inputs(2, 40, 2, 64, gate="preactivated", device="cpu", initial_state=True)
+    call, why_not = peers.cudnn(args, "kda_cutile")
+    (_, _, _, _, _, cu), options = calls[-1]
+    assert why_not is None and cu.tolist() == [0, 40, 80] and "safe_gate" not in options
+    assert torch.equal(options["initial_state"], args["initial_state"].transpose(-1, -2))
+    assert call()[1].shape == args["initial_state"].shape
+    softplus = random_inputs(1, 40, 2, 64, gate="softplus", device="cpu")
+    call, why_not = peers.cudnn(softplus, "kda_hopper_cuda")
+    assert call is None and "not softplus" in why_not
+    monkeypatch.setitem(sys.modules, "cudnn.linear_attention", None)
+    assert "not installed" in peers.cudnn(args, "kda_hopper_cuda")[1]
+
+
+def test_cudnn_columns_time_each_engine_beside_its_error(monkeypatch):
+    """cudnn_peers: every engine the frontend has that makes the call, timed on the row's arguments,
+    and o's error against the float64 recurrence of each engine and of kda_opt on the case's first
+    tokens; nothing without the frontend."""
+    monkeypatch.setitem(sys.modules, "cudnn.linear_attention", None)
+    case = bench.Case(1, 70, 2, 64, "safe", -5.0, torch.float32, 0)
+    monkeypatch.setattr(bench.Case, "inputs", lambda self: random_inputs(self.B, self.T, 2, 64, device="cpu"))
+    assert bench.cudnn_peers(case, case.inputs(), lambda **a: None) == ({}, {})
+    cudnn_stand_in(monkeypatch, declines=("kda_hopper",))
+    from kda_opt.reference import reference_forward
+    runs, errors = bench.cudnn_peers(case, case.inputs(), lambda **a: (1.5 * reference_forward(**a)[0], None))
+    assert set(runs) == {"cudnn_kda_hopper_cuda", "cudnn_kda_cutile"}
+    assert errors["kda_opt"] == pytest.approx(0.5) and errors["cudnn_kda_cutile"] == 1.0   # the stand-in's o: zeros
+    assert set(bench.CSV_FIELDS) >= {"kda_opt_err", "cudnn_kda_hopper_cuda_ms", "cudnn_kda_hopper_cuda_err"}
+
+
 def test_serving_step_row(monkeypatch):
     """A serving-step case (config serving) times kda_forward with the pool in place, the dense call,
     the pool call with checkpoints and FLA around a gather and a scatter, and says what the pool and

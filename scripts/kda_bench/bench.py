@@ -341,6 +341,7 @@ def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
     if kda_forward is None:
         from kda_opt import kda_forward
     args = c.inputs()
+    errors = {}
     if c.config == "serving":
         runs, why_not = serving.step_runs(args, fla, kda_forward, c.seed)
     else:
@@ -351,6 +352,8 @@ def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
         call, why_not = peers.flashkda(args)
         if call:
             runs["flashkda"] = call
+        cudnn, errors = cudnn_peers(c, args, kda_forward)
+        runs.update(cudnn)
         if c.config == "flashkda" and c.initial_state:
             N = len(c.seqlens) if c.seqlens else c.B
             buffer = serving.checkpoint_buffer(args["initial_state"], c.B, c.T, N, CHECKPOINT_EVERY)
@@ -375,9 +378,13 @@ def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
                tbps=nbytes / (ours_ms * 1e-3) / 1e12, tflops=flops / (ours_ms * 1e-3) / 1e12,
                bytes_floor_pct=100 * nbytes / bw / (ours_ms * 1e-3),
                flops_floor_pct=100 * flops / rate / (ours_ms * 1e-3),
-               fla_flash_kda=os.environ.get("FLA_FLASH_KDA", ""))
+               fla_flash_kda=os.environ.get("FLA_FLASH_KDA", ""), kda_opt_err=errors.get("kda_opt", NOT_RUN),
+               **{f"{name}_{x}": value for name in CUDNN_COLUMNS
+                  for x, value in (("ms", ms.get(name, NOT_RUN)), ("err", errors.get(name, NOT_RUN)))})
     peer = (f"FlashKDA {ms['flashkda']:.3f} ms ({row['speedup_vs_flashkda']:.2f}×)" if flashkda
             else f"FlashKDA n/a ({why_not})")
+    peer += "".join(f"  cuDNN {name[len('cudnn_'):]} {ms[name]:.3f} ms (o's error {errors[name]}, ours {errors['kda_opt']})"
+                    for name in CUDNN_COLUMNS if name in ms)
     state = ""
     if "kda_opt_no_state" in ms:
         state = f" (no state {ms['kda_opt_no_state']:.3f} ms: {row['state_cost_pct']:+.1f} %)"
@@ -395,6 +402,28 @@ def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
     return row
 
 
+CUDNN_COLUMNS = [f"cudnn_{engine}" for engine in peers.CUDNN_ENGINES]
+
+
+def cudnn_peers(c: Case, args, kda_forward):
+    """({cudnn_<engine>: call}, {name: o's error}) for the cuDNN engines that make the call (none
+    without the frontend): the calls on `args`, and the errors against the float64 recurrence of each
+    engine and of kda_opt on the case's first naive_T tokens (cuDNN's fused engine cuts its warm-ups
+    where the gate lets it, so its error, like its time, follows the gate: `--decay`)."""
+    calls = {f"cudnn_{e}": peers.cudnn(args, e)[0] for e in peers.CUDNN_ENGINES}
+    calls = {name: call for name, call in calls.items() if call}
+    if not calls:
+        return {}, {}
+    from kda_opt.reference import reference_forward
+    trimmed = c.trimmed(naive_T(c)).inputs()
+    o_ref, _ = reference_forward(**trimmed)
+    errors = {"kda_opt": rel_err(kda_forward(**trimmed)[0], o_ref)}
+    for name in calls:
+        call, _ = peers.cudnn(trimmed, name[len("cudnn_"):])
+        errors[name] = rel_err(call()[0], o_ref) if call else NOT_RUN
+    return calls, errors
+
+
 # ---- sweep output ----
 
 # varlen: sequences packed along T (0: a fixed-length batch of B); config: a key of CONFIGS;
@@ -408,12 +437,15 @@ def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
 # pool in place; kda_opt_dense_ms / pool_cost_pct: the call on gathered states, and what the pool adds;
 # kda_opt_ckpt_ms / ckpt_cost_pct: the pool call with checkpoints after every chunk, and what they add.
 # kda_opt_ckpt_every_ms / ckpt_every_cost_pct (FlashKDA's configuration with a state): the call with
-# fp32 V-first checkpoints every CHECKPOINT_EVERY tokens, and what they add.
+# fp32 V-first checkpoints every CHECKPOINT_EVERY tokens, and what they add. cudnn_<engine>_ms /
+# cudnn_<engine>_err (peers.CUDNN_ENGINES, where the frontend is installed and the engine makes the call):
+# its time, and o's error against the float64 recurrence on the case's first naive_T tokens, beside
+# kda_opt's on the same tokens (kda_opt_err).
 CSV_FIELDS = ["B", "T", "H", "K", "V", "mode", "varlen", "config", "initial_state", "decay", "dtype", "fla_ms",
               "kda_opt_ms", "speedup", "kda_opt_no_state_ms", "state_cost_pct", "stage1_ms", "flashkda_ms",
               "speedup_vs_flashkda", "tbps", "tflops", "bytes_floor_pct", "flops_floor_pct", "fla_flash_kda",
               "kda_opt_dense_ms", "pool_cost_pct", "kda_opt_ckpt_ms", "ckpt_cost_pct", "kda_opt_ckpt_every_ms",
-              "ckpt_every_cost_pct"]
+              "ckpt_every_cost_pct", "kda_opt_err"] + [f"{name}_{x}" for name in CUDNN_COLUMNS for x in ("ms", "err")]
 ROW_KEY = ("B", "T", "H", "K", "mode", "varlen", "config", "initial_state", "decay", "dtype")
 # Rows of CSVs written before these columns existed: fixed-length batches in the default
 # configuration, no initial state, A_log and dt_bias ~ 0.5·N(0, 1), FlashKDA not timed, FLA on its
@@ -422,7 +454,8 @@ ROW_DEFAULTS = {"varlen": 0, "config": "default", "initial_state": 0, "decay": "
                 "kda_opt_no_state_ms": NOT_RUN, "state_cost_pct": NOT_RUN, "stage1_ms": NOT_RUN,
                 "flashkda_ms": NOT_RUN, "speedup_vs_flashkda": NOT_RUN, "fla_flash_kda": "0",
                 "kda_opt_dense_ms": NOT_RUN, "pool_cost_pct": NOT_RUN, "kda_opt_ckpt_ms": NOT_RUN, "ckpt_cost_pct": NOT_RUN,
-                "kda_opt_ckpt_every_ms": NOT_RUN, "ckpt_every_cost_pct": NOT_RUN}
+                "kda_opt_ckpt_every_ms": NOT_RUN, "ckpt_every_cost_pct": NOT_RUN, "kda_opt_err": NOT_RUN,
+                **{f"{name}_{x}": NOT_RUN for name in CUDNN_COLUMNS for x in ("ms", "err")}}
 
 
 def row_key(r):
