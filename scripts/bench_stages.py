@@ -1,14 +1,17 @@
 """Each stage of kda_forward alone, timed with do_bench at one shape, beside its bytes floor.
 
     python scripts/bench_stages.py [scripts/test.py shape options] [--intra-warps 2,4]
-                                   [--block-v 32,64,128] [--worker-warps 4,8] [--once]
+                                   [--block-v 32,64,128] [--worker-warps 4,8] [--parallel-tokens N] [--once]
 The stages are recorded from one real kda_forward on random inputs (Case.inputs, as the benchmark's),
 so each runs with exactly the arguments kda_forward gives it, in any configuration (--varlen,
 --config ...). A stage's floor is the bytes of its inputs and outputs over the copy bandwidth measured
 here; `first s` is its first call's seconds, compiles included. Stage 2 (with the inverse, stage 3)
 runs once per warp count, stage 4 once per (block_v, worker warps) pair; the defaults
 are the plan's own choices (kda_opt/plan). Where kda_forward cuts the sequence into time segments, a stage's row
-runs all its segments' launches one after another (without the overlap kda_forward gets).
+runs all its segments' launches one after another (without the overlap kda_forward gets); in parallel
+segments stage 4's row runs its three passes, and the whole call's row adds the merge between them.
+--parallel-tokens N plans parallel segments of at least N tokens wherever the call has one sequence
+(Tuning(parallel=True, parallel_tokens=N)), and the last row times the whole call under that plan.
 """
 import argparse
 import itertools
@@ -20,7 +23,7 @@ from triton.testing import do_bench
 from kda_bench.bench import case_from_args, measure_ceilings, parse_args as bench_args
 from kda_opt import kda_forward
 from kda_opt.forward import RUN_TENSORS, run as run_plan
-from kda_opt.plan import make_plan
+from kda_opt.plan import Tuning, make_plan
 from kda_opt.wuso import WORKER_WARPS
 
 
@@ -77,21 +80,33 @@ def stage_rows(stages, intra_warps, block_v, worker_warps):
     return rows
 
 
+def tuning_for(parallel_tokens: int | None) -> Tuning:
+    """The plan's knobs: kda_forward's own, or parallel segments of at least `parallel_tokens` tokens."""
+    return Tuning() if parallel_tokens is None else Tuning(parallel=True, parallel_tokens=parallel_tokens)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--intra-warps", type=ints, default=[None], help="stage 2 warp counts, e.g. 2,4")
     p.add_argument("--block-v", type=ints, default=[None], help="stage 4 V blocks to time, e.g. 32,64,128")
     p.add_argument("--worker-warps", type=ints, default=[None], help="stage 4 worker warps to time, e.g. 4,8")
+    p.add_argument("--parallel-tokens", type=int, default=None,
+                   help="plan parallel segments of at least this many tokens (one sequence), e.g. 768")
     p.add_argument("--once", action="store_true", help="run each stage once, untimed (for ncu)")
     own, rest = p.parse_known_args()
     c = case_from_args(bench_args(rest))
     a = c.inputs()
     bw, _ = measure_ceilings()
-    stages = record_stages(lambda launch: run_plan(make_plan(**a), **{n: a.get(n) for n in RUN_TENSORS},
-                                                   launch=launch))
+    plan = make_plan(**a, tuning=tuning_for(own.parallel_tokens))
+    tensors = {n: a.get(n) for n in RUN_TENSORS}
+    stages = record_stages(lambda launch: run_plan(plan, **tensors, launch=launch))
 
     rows = stage_rows(stages, own.intra_warps, own.block_v, own.worker_warps)
-    rows.append(("kda_forward", lambda: kda_forward(**a), 0))
+    if own.parallel_tokens is None:
+        rows.append(("kda_forward", lambda: kda_forward(**a), 0))
+    else:
+        rows.append((f"{len(plan.segments)} {'parallel' if plan.parallel else 'time'} segments",
+                     lambda: run_plan(plan, **tensors), 0))
 
     print(f"# {torch.cuda.get_device_name()}, {c.label}; copy bandwidth {bw / 1e12:.2f} TB/s")
     print(f"{'stage':<28} {'ms':>8} {'floor ms':>9} {'GB':>6} {'first s':>8}")

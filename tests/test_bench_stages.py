@@ -15,6 +15,12 @@ def test_int_lists():
     assert bs.ints("") == [None]
 
 
+def test_parallel_tokens_plan_parallel_segments():
+    """--parallel-tokens N: the plan's own knobs but parallel segments of at least N tokens."""
+    assert bs.tuning_for(None) == bs.Tuning()
+    assert bs.tuning_for(768) == bs.Tuning(parallel=True, parallel_tokens=768)
+
+
 def test_record_stages_keeps_each_launch():
     x = stage_inputs(1, 70, 1, 64, HV=2, device=kernel_device())
     g = -torch.rand(1, 70, 2, 64, device=kernel_device())
