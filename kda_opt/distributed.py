@@ -13,7 +13,7 @@ cross ranks.
        transition M_r (kda_opt/forward.Prepared)
     2. all_gather of h and M over the group (fp32: HV·K·(V + K) numbers per rank)
     3. a continued sequence's start, from the rank a where it begins: merge(h_a .. h_{r−1},
-       M_{a+1} .. M_{r−1}) in float64 (kda_opt/schedules.merge), and the pass again from it
+       M_{a+1} .. M_{r−1}) (kda_opt/schedules.merge, fp32), and the pass again from it
 A sequence's final state is returned by the rank where it ends. With one sequence, stage 4 runs over
 a slice once on rank 0 and on the last rank, three times on the others, and the last rank's stages
 1–3 run while rank 0 computes h_0, so two ranks take about rank 0's call plus the last rank's stage 4.

@@ -15,7 +15,7 @@ chunk-local, and segments start at whole chunks), then stage 4 three times over 
 packed sequences: (1) segments 0 .. S − 2, segment 0 from the call's initial state and the others
 from zero, giving h (and segment 0's o and checkpoints); (2) the transitions M of segments 1 .. S − 2
 (stage 4 with v = 0 over K state columns from S_in = I, no o); then the merge, S_{j+1} = M_j S_j + h_j
-in float64 (S − 2 small products); (3) segments 1 .. S − 1 from their true starts, giving their o,
+in one launch (S − 2 products in fp32, merge_kernel); (3) segments 1 .. S − 1 from their true starts, giving their o,
 checkpoints and the final state. Packed sequences with their host copy (cu_seqlens_cpu) are cut on
 each call: the long ones into segments, the others whole, every sequence's rows in order as pieces,
 and each pass runs the run of pieces it needs (parallel_packed). Three passes, each with every
@@ -29,7 +29,10 @@ import math
 from typing import NamedTuple
 
 import torch
+import triton
+import triton.language as tl
 
+from .launch import triton_launch
 from .options import state_shape
 from .plan import Plan, cut_sequences
 from .wuso import block_v_for
@@ -157,16 +160,43 @@ def _initial_states(state) -> torch.Tensor:
 
 
 def merge(h: torch.Tensor, M: torch.Tensor, v_first: bool = False) -> torch.Tensor:
-    """The states after each of n consecutive segments, [n, HV, K, V] fp32 ([n, HV, V, K] v_first):
-    from h [n, …] (each segment's final state from zero; the first's from the true start) and M
-    [n − 1, HV, K, K] (the transitions of segments 1 .. n − 1), S_0 = h_0, S_j = M_{j−1} S_{j−1} + h_j,
-    in float64 (n − 1 steps of [K, K] × [K, V] per head)."""
-    starts = [h[0].double()]
-    for j in range(1, h.shape[0]):
-        prev = starts[-1].transpose(-1, -2) if v_first else starts[-1]
-        step = M[j - 1].double() @ prev
-        starts.append((step.transpose(-1, -2) if v_first else step) + h[j].double())
-    return torch.stack(starts).float()
+    """The states after each of n consecutive segments, [n, …, HV, K, V] fp32 ([…, V, K] v_first): from
+    h [n, …] (each segment's final state from zero; the first's from the true start) and M [n − 1, …,
+    HV, K, K] (the transitions of segments 1 .. n − 1), S_0 = h_0, S_j = M_{j−1} S_{j−1} + h_j: one
+    launch (merge_kernel), each (chain, V block) program carrying its S through the n − 1 products in
+    fp32 (full-precision products, not tf32)."""
+    K = M.shape[-1]
+    V = h.shape[-2] if v_first else h.shape[-1]
+    chains = h[0].numel() // (K * V)
+    h, M = h.float().contiguous(), M.float().contiguous()
+    out = torch.empty_like(h)
+    block = min(V, MERGE_BLOCK_V)
+    triton_launch(merge_kernel, (chains, V // block), None, h, M, out, h.shape[0], K, V, block, chains, v_first,
+                  num_warps=8)
+    return out
+
+
+MERGE_BLOCK_V = 32      # merge_kernel's V columns per program
+
+
+@triton.jit(do_not_specialize=["n"])
+def merge_kernel(h, M, out, n, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, CHAINS: tl.constexpr,
+                 V_FIRST: tl.constexpr):
+    """out[0] = h[0], out[j] = M[j − 1] out[j − 1] + h[j] (merge) for chain program_id(0) over V block
+    program_id(1): h, out [n, CHAINS, K, V] ([…, V, K] V_FIRST), M [n − 1, CHAINS, K, K], contiguous."""
+    i_c, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_s = i_c * K * V + (o_v[None, :] * K + o_k[:, None] if V_FIRST else o_k[:, None] * V + o_v[None, :])
+    p_h, p_out, p_m = h + o_s, out + o_s, M + i_c * K * K + o_k[:, None] * K + o_k[None, :]
+    S = tl.load(p_h)
+    tl.store(p_out, S)
+    for _ in range(1, n):
+        p_h += CHAINS * K * V
+        p_out += CHAINS * K * V
+        S = tl.dot(tl.load(p_m), S, input_precision="ieee") + tl.load(p_h)
+        tl.store(p_out, S)
+        p_m += CHAINS * K * K
 
 
 def _state_row(plan: Plan) -> tuple[int, int, int]:

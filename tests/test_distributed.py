@@ -13,7 +13,7 @@ from kda_bench.inputs import random_inputs
 from kda_opt import kda_forward, reference
 from kda_opt.distributed import ReferenceEngine as Reference, kda_forward_cp
 from kda_opt.reference import ERROR_FLOOR
-from tests.conftest import gpu, two_gpus
+from tests.conftest import gpu, kernel_device, two_gpus
 
 CALLS = {
     "a state": dict(initial_state=True),
@@ -110,16 +110,22 @@ def test_packed_slices_across_processes_equal_one_pass(tmp_path, world, call, la
     assert reference.rel_err(sum(s for _, s in outs), ref_s) < 1e-6
 
 
-def test_merge_of_states_and_transitions():
-    """schedules.merge: S_0 = h_0, S_j = M_{j−1} S_{j−1} + h_j per head, K-first and V-first."""
+@pytest.mark.parametrize("K,V", [(64, 64), (128, 64), (128, 128)])
+def test_merge_of_states_and_transitions(K, V):
+    """schedules.merge (one Triton launch; CPU: the interpreter): S_0 = h_0, S_j = M_{j−1} S_{j−1} + h_j
+    per chain (batch dimensions between the segments' and the heads'), K-first and V-first, against
+    the same chain in float64; one segment is its h."""
     from kda_opt.schedules import merge
     gen = torch.Generator().manual_seed(0)
-    h, M = torch.randn(4, 2, 8, 5, generator=gen), torch.randn(3, 2, 8, 8, generator=gen)
+    h, M = torch.randn(5, 3, 2, K, V, generator=gen), torch.randn(4, 3, 2, K, K, generator=gen) / K ** 0.5
+    h, M = h.to(kernel_device()), M.to(kernel_device())
     S = [h[0].double()]
-    for j in range(1, 4):
+    for j in range(1, 5):
         S.append(M[j - 1].double() @ S[-1] + h[j].double())
-    assert torch.allclose(merge(h, M), torch.stack(S).float())
-    assert torch.allclose(merge(h.transpose(-1, -2), M, v_first=True).transpose(-1, -2), torch.stack(S).float())
+    S = torch.stack(S)
+    assert reference.rel_err(merge(h, M), S) < 1e-6
+    assert reference.rel_err(merge(h.transpose(-1, -2).contiguous(), M, v_first=True).transpose(-1, -2), S) < 1e-6
+    assert torch.equal(merge(h[:1], M[:0]), h[:1])
 
 
 def test_refuses_what_it_does_not_split(monkeypatch):
