@@ -15,10 +15,10 @@ chunk-local, and segments start at whole chunks), then stage 4 three times over 
 packed sequences: (1) segments 0 .. S − 2, segment 0 from the call's initial state and the others
 from zero, giving h (and segment 0's o and checkpoints); (2) the transitions M of segments 1 .. S − 2
 (stage 4 with v = 0 over K state columns from S_in = I, no o); then the merge, S_{j+1} = M_j S_j + h_j
-in one launch (S − 2 products in fp32, merge_kernel); (3) segments 1 .. S − 1 from their true starts, giving their o,
-checkpoints and the final state. Packed sequences with their host copy (cu_seqlens_cpu) are cut on
-each call: the long ones into segments, the others whole, every sequence's rows in order as pieces,
-and each pass runs the run of pieces it needs (parallel_packed). Three passes, each with every
+in one launch (S − 2 products in fp32, merge_kernel); (3) segments 1 .. S − 1 from their true starts,
+giving their o, checkpoints and the final state. Packed sequences with their host copy (cu_seqlens_cpu)
+are cut on each call: the long ones into segments, the others whole, every sequence's rows in order as
+pieces, and each pass runs the run of pieces it needs (parallel_packed). Three passes, each with every
 (segment, head) program at once, against one pass whose chain is the longest sequence. The result is
 that of one pass up to the rounding of M's 16-bit product operands, within one pass's error against
 the float64 recurrence (tests/test_parallel.py).

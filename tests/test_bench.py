@@ -556,7 +556,8 @@ def test_cudnn_call_takes_kda_forwards_arguments_in_its_form(monkeypatch):
     assert why_not is None and len(calls) == 1          # tried once, untimed
     o, final = call()
     (q, k, v, g, beta, cu), options = calls[-1]
-    assert q.shape == (128, 2, 128) and beta.shape == (128, 2) and cu.dtype == torch.int32 and cu.tolist() == [0, 100, 128]
+    assert q.shape == (128, 2, 128) and beta.shape == (128, 2)
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 100, 128]
     assert options["safe_gate"] and options["gate_lower_bound"] == -5.0 and options["a_log"] is args["A_log"]
     assert options["dt_bias"].shape == (2, 128) and options["initial_state"] is args["initial_state"]
     assert options["use_qk_l2norm_in_kernel"] and options["use_beta_sigmoid_in_kernel"]
@@ -639,7 +640,8 @@ def test_host_rows_make_the_calls_they_name(monkeypatch):
         assert ("initial_state_indices_cpu" in a) == ("indices_cpu" in name), name
         assert ("checkpoints" in a) == ("checkpoints" in name), name
         assert set(runs) == ({"kda_opt"} if "pool" in extra else
-                             {"kda_opt", "fla", "via_fla"} | ({"flashkda"} if case.config == "flashkda" else set())), name
+                             {"kda_opt", "fla", "via_fla"} | ({"flashkda"} if case.config == "flashkda"
+                                                              else set())), name
 
 
 def test_host_decode_rows_make_the_layers_call(monkeypatch):

@@ -383,8 +383,8 @@ def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
                   for x, value in (("ms", ms.get(name, NOT_RUN)), ("err", errors.get(name, NOT_RUN)))})
     peer = (f"FlashKDA {ms['flashkda']:.3f} ms ({row['speedup_vs_flashkda']:.2f}×)" if flashkda
             else f"FlashKDA n/a ({why_not})")
-    peer += "".join(f"  cuDNN {name[len('cudnn_'):]} {ms[name]:.3f} ms (o's error {errors[name]}, ours {errors['kda_opt']})"
-                    for name in CUDNN_COLUMNS if name in ms)
+    peer += "".join(f"  cuDNN {name[len('cudnn_'):]} {ms[name]:.3f} ms (o's error {errors[name]}, "
+                    f"ours {errors['kda_opt']})" for name in CUDNN_COLUMNS if name in ms)
     state = ""
     if "kda_opt_no_state" in ms:
         state = f" (no state {ms['kda_opt_no_state']:.3f} ms: {row['state_cost_pct']:+.1f} %)"

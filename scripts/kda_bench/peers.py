@@ -90,7 +90,8 @@ def cudnn(args, engine: str):
     state = args.get("initial_state")
     if state is not None and not v_first:
         state = state.transpose(-1, -2).contiguous()
-    options = dict(scale=args.get("scale"), initial_state=state, output_final_state=args.get("output_final_state", False),
+    options = dict(scale=args.get("scale"), initial_state=state,
+                   output_final_state=args.get("output_final_state", False),
                    use_qk_l2norm_in_kernel=args.get("use_qk_l2norm_in_kernel", False),
                    use_beta_sigmoid_in_kernel=args.get("use_beta_sigmoid_in_kernel", False),
                    allow_neg_eigval=args.get("allow_neg_eigval", False), plan_name=engine)
