@@ -149,7 +149,8 @@ class Bound:
                     how = source(x, cutile)
                     if isinstance(how, tuple):          # a constant, in place
                         template[n] = x if cutile else x.data_ptr()
-                    else:
+                    else:                               # filled in on each replay: the recorded
+                        template[n] = None              # call's tensor is not kept (nor its memory)
                         fills.append((n, how))
             self.launches.append((cutile, kernel, grid, template, fills))
         self.outputs = tuple(None if y is None else source(y, True) for y in outputs)

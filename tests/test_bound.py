@@ -63,6 +63,22 @@ def test_replay_fills_in_the_new_addresses(stand_ins):
     assert o2.untyped_storage().nbytes() == o.untyped_storage().nbytes()
 
 
+def test_bound_keeps_no_tensor_of_the_recorded_call(stand_ins):
+    """A Bound holds none of the recorded call's inputs, buffers or results (a plan's entry would
+    otherwise keep their memory for as long as the plan is cached), only the package's constants."""
+    import gc
+    import weakref
+    compiled, tiles = stand_ins
+    a, b = torch.randn(3), torch.randn(2, 2)
+    (o, _), recording = bound.record(lambda: a_call(compiled, a, b), (a, b, None))
+    replay = recording.bound((o, None))
+    kept = [weakref.ref(x) for x in (a, b, o, *recording.buffers)]
+    del a, b, o, recording
+    tiles.clear()                                   # the stand-in cuTile launch's own record of them
+    gc.collect()
+    assert all(ref() is None for ref in kept) and replay is not None
+
+
 UNBOUND = {
     "a torch operation": (lambda c, a, b: (a_call(c, a, b), b.add_(1)), "aten.add_"),
     "a copy by contiguous": (lambda c, a, b: a_call(c, a, b.t().contiguous()), "clone|contiguous"),
