@@ -43,9 +43,9 @@ class Recording(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.overloadpacket in ALLOCATIONS:
+        if func.overloadpacket in ALLOCATIONS and out.device == self.inputs[0].device:
             self.buffers.append(out)
-        elif not (func.is_view and _same_storage(out, args[0])) and self.reason is None:
+        elif not (func.is_view and args and _same_storage(out, args[0])) and self.reason is None:
             self.reason = f"it runs {func} outside its launches"     # (contiguous counts as a view: it may copy)
         return out
 
@@ -65,7 +65,9 @@ class Recording(TorchDispatchMode):
 
 
 def _same_storage(out, x) -> bool:
-    """Whether every tensor `out` holds is a view of x's storage."""
+    """Whether x is a tensor and every tensor `out` holds a view of its storage."""
+    if not isinstance(x, torch.Tensor):
+        return False
     outs = out if isinstance(out, (tuple, list)) else (out,)
     base = x.untyped_storage().data_ptr()
     return all(isinstance(y, torch.Tensor) and y.untyped_storage().data_ptr() == base for y in outs)

@@ -85,6 +85,7 @@ UNBOUND = {
     "a tensor from outside": (lambda c, a, b: a_call(c, a, b, extra=OUTSIDE), "neither an input"),
     "one tensor as two inputs": (lambda c, a, b: a_call(c, a, b), "two inputs"),
     "no compiled kernel": (lambda c, a, b: a_call(None, a, b), "no compiled kernel"),
+    "a buffer on another device": (lambda c, a, b: (a_call(c, a, b), torch.empty(2, device="meta")), "aten.empty"),
 }
 OUTSIDE = torch.zeros(2)
 
