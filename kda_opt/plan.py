@@ -59,6 +59,9 @@ class Tuning:
     parallel: bool | None = None  # a long sequence's segments at once (parallel_segments, cut_sequences);
                                   # None: where it pays, True: wherever it applies, False: never
     parallel_tokens: int = 2048   # parallel segments: at least this many tokens each
+    parallel_passes: int = 3      # parallel segments of one sequence: 3 stage-4 passes, or 2 and a correction
+                                  # (kda_opt/schedules.parallel_corrected; not with a pool or checkpoints;
+                                  # not yet measured, so not the default)
     short_sequences: bool = True  # packed: a sequence of one chunk read by element offsets, not views
     route_decodes: bool = True    # packed, one pass: sequences of one token through kda_opt/decode
     longest_first: bool = True    # packed, one pass, more stage-4 programs than SMs (at most RANK_MAX
@@ -112,6 +115,7 @@ class Plan(Sizes):
     block_v: int                  # stage 4's V columns per program
     segments: tuple[tuple[int, int], ...]  # token ranges: time segments, or parallel segments
     parallel: bool                # the segments run at once (parallel_segments), not one after another
+    parallel_passes: int          # parallel: 3 stage-4 passes, or 2 and a correction (Tuning.parallel_passes)
     parallel_cut: ParallelCut | None  # packed: long sequences cut into parallel segments on each call
     pad_slot: int | None          # a pool slot padding sequences name: read and written as a negative one
     short_sequences: bool         # packed: stage 4 reads a sequence of one chunk by element offsets
@@ -170,7 +174,9 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     # One packed sequence whose host copy says it spans [0, T] (check_host_copies) is the fixed-length
     # call of B = 1, with its time or parallel segments; without the copy the device values are unseen.
     packed = cu_seqlens is not None and (N > 1 or cu_seqlens_cpu is None or checkpoint_offsets is not None)
-    parallel = parallel_segments(T, N, HV, sms, packed, tuning.parallel_tokens, align)
+    # Two passes take every segment in their first: one wave is then SMs / HV segments, not one more.
+    passes = 2 if tuning.parallel_passes == 2 and not pool and checkpoints is None else 3
+    parallel = parallel_segments(T, N, HV, sms - HV if passes == 2 else sms, packed, tuning.parallel_tokens, align)
     if tuning.parallel is False or tuning.parallel is None and not _parallel_pays(T, HV, V):
         parallel = None
     cut = None
@@ -178,8 +184,8 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             tuning.parallel or tuning.parallel is None and _parallel_pays(T, HV, V)):
         cut = ParallelCut(sms, tuning.parallel_tokens, align, 0 if tuning.parallel else PARALLEL_LONGEST,
                           tuning.block_v)
-    block_v = tuning.block_v or block_v_for((len(parallel) - 1 if parallel else N) * HV, math.gcd(V, K) if parallel
-                                            else V, sms, q.dtype)
+    block_v = tuning.block_v or block_v_for((len(parallel) - (passes == 3) if parallel else N) * HV,
+                                            math.gcd(V, K) if parallel else V, sms, q.dtype)
     segments = parallel or time_segments(T, N, N * HV * (V // block_v), sms, packed, tuning.segment_tokens,
                                          tuning.max_segments, align)
     # (With checkpoint offsets a sequence of one chunk may be cut in two: stage 4's own launches.)
@@ -199,7 +205,8 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         copied=tuple(n for n, x in (("q", q), ("k", k), ("v", v), ("beta", beta)) if not _rows_readable(x)),
         block_v=block_v,
         checkpoint_every=checkpoint_every, checkpoint_offsets=checkpoint_offsets is not None,
-        segments=segments, parallel=parallel is not None, parallel_cut=cut, pad_slot=pad_slot,
+        segments=segments, parallel=parallel is not None, parallel_passes=passes, parallel_cut=cut,
+        pad_slot=pad_slot,
         short_sequences=short_sequences,
         # Ordered where stage 4 runs in waves: list scheduling longest first (the SMs take programs in
         # grid order) ends its waves together, and a mixed step's prefills start before its decodes'

@@ -16,9 +16,15 @@ packed sequences: (1) segments 0 .. S − 2, segment 0 from the call's initial s
 from zero, giving h (and segment 0's o and checkpoints); (2) the transitions M of segments 1 .. S − 2
 (stage 4 with v = 0 over K state columns from S_in = I, no o); then the merge, S_{j+1} = M_j S_j + h_j
 in one launch (S − 2 products in fp32, merge_kernel); (3) segments 1 .. S − 1 from their true starts,
-giving their o, checkpoints and the final state. Packed sequences with their host copy (cu_seqlens_cpu)
-are cut on each call: the long ones into segments, the others whole, every sequence's rows in order as
-pieces, and each pass runs the run of pieces it needs (parallel_packed). Three passes, each with every
+giving their o, checkpoints and the final state. Or (plan.parallel_passes = 2, a knob not yet
+measured) two passes and a correction, for one sequence without a pool or checkpoints: o_c from a
+segment's start S_j is o_c(0) + O^M_c S_j, where O^M_c [64, K] is stage 4's o of chunk c over the
+transition's K columns (v = 0, from I), so pass (1) runs every segment from zero (the first from the
+call's state) and pass (2) the transitions with their o, and one launch adds O^M_c S_j to each chunk
+(parallel_corrected; o(0) and O^M rounded to o's dtype once each before it). Packed sequences with
+their host copy (cu_seqlens_cpu) are cut on each call: the long ones into segments, the others whole,
+every sequence's rows in order as pieces, and each pass runs the run of pieces it needs
+(parallel_packed). Three passes, each with every
 (segment, head) program at once, against one pass whose chain is the longest sequence. The result is
 that of one pass up to the rounding of M's 16-bit product operands, within one pass's error against
 the float64 recurrence (tests/test_parallel.py).
@@ -33,9 +39,9 @@ import triton
 import triton.language as tl
 
 from .launch import triton_launch
-from .options import state_shape
+from .options import CHUNK, state_shape
 from .plan import Plan, cut_sequences
-from .wuso import block_v_for
+from .wuso import TRANSITION_OUTPUT, TRANSITION_STATE, block_v_for
 
 
 def final_states(plan: Plan, like: torch.Tensor) -> torch.Tensor:
@@ -67,7 +73,8 @@ def parallel(plan: Plan, q, k, v, g, beta, state, checkpoints, prepare, stage4):
            checkpoint_rows=None if checkpoints is None else first_rows, **common)
     M = v.new_empty((S - 2, plan.HV, plan.K, plan.K), dtype=torch.float32)
     stage4(q, k, v, gcum, Tm, Aqk, initial_state=units(q.device, plan.HV, plan.K), slots=zero_slot[:S - 2],
-           read_slots=True, final_state=M, cu_seqlens=bounds[1:S], transition=True, state_v_first=False, **common)
+           read_slots=True, final_state=M, cu_seqlens=bounds[1:S], transition=TRANSITION_STATE, state_v_first=False,
+           **common)
     starts = merge(h, M, plan.state_v_first)
     # Pass 2: segments 1 .. S − 1 from their true starts; the last writes the call's final state.
     final, pool = state["final_state"], state["write_slots"]
@@ -79,6 +86,83 @@ def parallel(plan: Plan, q, k, v, g, beta, state, checkpoints, prepare, stage4):
     if ends is not None:
         final.copy_(ends[-1:])
     return o
+
+
+def parallel_corrected(plan: Plan, q, k, v, g, beta, state, checkpoints, prepare, stage4):
+    """o over plan.segments of one sequence (B = 1) run at once in two stage-4 passes and a
+    correction (module docstring, "Parallel segments", plan.parallel_passes = 2): (1) every segment,
+    segment 0 from the call's initial state and the others from zero, giving h and their o from those
+    starts; (2) the transitions M of segments 1 .. S − 1 with their o over K columns, O^M; the merge
+    gives the state after each segment, and correct() adds O^M_c times its segment's start to each
+    chunk c of segments 1 .. S − 1. A dense final state is the last segment's end, copied. No pool,
+    no checkpoints (the plan keeps three passes for those)."""
+    S = len(plan.segments)
+    bounds, _, no_slot, zero_slot = _segment_tables(q.device, plan.segments, plan.checkpoint_every)
+    gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta)
+    common = dict(qk_rstd=rstd, beta_residual=r)
+    o = v.new_empty(v.shape)
+    initial, mask = state["initial_state"], state["has_initial_state"]
+    slots = None
+    if initial is not None:     # segment 0 reads row 0 of the dense state, the others none
+        slots = torch.cat((zero_slot[:1], no_slot[:S - 1]))
+        if mask is not None:
+            mask = torch.cat((mask, mask.new_zeros(S - 1)))
+    h = v.new_empty((S, *_state_row(plan)), dtype=torch.float32)
+    stage4(q, k, v, gcum, Tm, Aqk, initial_state=initial, slots=slots, read_slots=initial is not None,
+           has_initial_state=mask, final_state=h, cu_seqlens=bounds, out=o, **common)
+    o_m = v.new_empty((*v.shape[:3], plan.K))
+    M = v.new_empty((S - 1, plan.HV, plan.K, plan.K), dtype=torch.float32)
+    stage4(q, k, v, gcum, Tm, Aqk, initial_state=units(q.device, plan.HV, plan.K), slots=zero_slot[:S - 1],
+           read_slots=True, final_state=M, cu_seqlens=bounds[1:], transition=TRANSITION_OUTPUT, out=o_m,
+           state_v_first=False, **common)
+    ends = merge(h, M, plan.state_v_first)
+    correct(o, o_m, ends, _chunk_segments(q.device, plan.segments), plan.state_v_first)
+    if state["final_state"] is not None:
+        state["final_state"].copy_(ends[-1:])
+    return o
+
+
+CORRECT_BLOCK_V = 64    # correct_kernel's V columns per program
+
+
+def correct(o, o_m, ends, segment_of, v_first: bool) -> None:
+    """o [1, T, HV, V] += per chunk c of segment j ≥ 1: O^M_c ends[j − 1], in place (one launch,
+    correct_kernel). o_m [1, T, HV, K] (o's dtype); ends [S, HV, K, V] fp32 ([…, V, K] v_first), the
+    state after each segment; segment_of [cdiv(T, 64)] int32, each chunk's segment."""
+    _, T, HV, V = o.shape
+    K = o_m.shape[-1]
+    block = min(V, CORRECT_BLOCK_V)
+    triton_launch(correct_kernel, (segment_of.numel(), HV, V // block), None, o, o_m, ends, segment_of, T, HV, K, V,
+                  block, CHUNK, v_first)
+
+
+@triton.jit(do_not_specialize=["T"])
+def correct_kernel(o, o_m, ends, segment_of, T, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                   C: tl.constexpr, V_FIRST: tl.constexpr):
+    """o's chunk program_id(0), value head program_id(1), V block program_id(2) (rows dense, [1, T,
+    HV, V]): += its O^M rows [C, K] times the start of its segment j, ends[j − 1] (correct), with
+    operands in o's dtype (tf32 for fp32) and fp32 accumulation, as stage 4's products; a chunk of
+    segment 0 is left as it is."""
+    i_t, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    j = tl.load(segment_of + i_t)
+    if j > 0:
+        rows = i_t.to(tl.int64) * C + tl.arange(0, C)
+        live = (rows < T)[:, None]
+        o_k = tl.arange(0, K)
+        o_v = i_v * BV + tl.arange(0, BV)
+        o_m_rows = tl.load(o_m + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=live, other=0.0)
+        start = ends + ((j - 1) * HV + i_hv).to(tl.int64) * K * V
+        s = tl.load(start + (o_v[None, :] * K + o_k[:, None] if V_FIRST else o_k[:, None] * V + o_v[None, :]))
+        p_o = o + (rows[:, None] * HV + i_hv) * V + o_v[None, :]
+        x = tl.load(p_o, mask=live, other=0.0).to(tl.float32) + tl.dot(o_m_rows, s.to(o_m_rows.dtype))
+        tl.store(p_o, x.to(p_o.dtype.element_ty), mask=live)
+
+
+@functools.lru_cache(maxsize=64)
+def _chunk_segments(device: torch.device, segments) -> torch.Tensor:
+    """Each chunk's parallel segment, [cdiv(T, 64)] int32 (segments start on chunks)."""
+    return torch.tensor([j for j, (t0, t1) in enumerate(segments) for _ in range(t0 // CHUNK, -(-t1 // CHUNK))],
+                        dtype=torch.int32, device=device)
 
 
 def packed_pieces(plan: Plan, cu_seqlens_cpu) -> tuple[tuple[tuple[int, int, int], ...], int] | None:
@@ -124,7 +208,7 @@ def parallel_packed(plan: Plan, q, k, v, g, beta, seqs, state, checkpoints, prep
            block_v=block_v, **common)
     lo, hi = t.m_pieces
     stage4(q, k, v, gcum, Tm, Aqk, initial_state=units(q.device, plan.HV, plan.K), slots=t.zeros[lo:hi],
-           read_slots=True, final_state=M[lo:hi], cu_seqlens=t.bounds[lo:hi + 1], transition=True,
+           read_slots=True, final_state=M[lo:hi], cu_seqlens=t.bounds[lo:hi + 1], transition=TRANSITION_STATE,
            state_v_first=False, block_v=math.gcd(block_v, plan.K), **common)
     # A cut sequence's piece j + 1 starts where piece j ends, M_j S_j + h_j, and its first piece ends
     # at h_0 (grid: [pieces, cut sequences], padded with the spare row).

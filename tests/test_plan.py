@@ -495,6 +495,23 @@ def test_plan_time_segments_and_block_v():
     assert tuned.block_v == 64 and len(tuned.segments) == 6 and (tuned.intra_warps, tuned.worker_warps) == (2, 4)
 
 
+@gpu
+def test_plan_two_parallel_passes():
+    """Tuning(parallel_passes=2): parallel segments in two passes where the call has no pool and no
+    checkpoints, then one segment per HV programs of one wave (the first pass runs them all);
+    three passes otherwise."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    args = random_inputs(1, 8192, 12, 128, initial_state=True, l2norm=True, beta_logits=True, state_v_first=True)
+    tuning = Tuning(parallel=True, parallel_tokens=512, parallel_passes=2)
+    plan = make_plan(**args, tuning=tuning)
+    assert plan.parallel_passes == 2 and len(plan.segments) == min(sms // 12, 8192 // 512) and plan.block_v == 128
+    assert make_plan(**args, tuning=Tuning(parallel=True, parallel_tokens=512)).parallel_passes == 3
+    pool = {**args, "initial_state_indices": torch.tensor([0], device="cuda"), "output_final_state": False}
+    assert make_plan(**pool, tuning=tuning).parallel_passes == 3
+    every = {**args, "checkpoints": torch.zeros(1, 128, 12, 128, 128, device="cuda")}
+    assert make_plan(**every, tuning=tuning).parallel_passes == 3
+
+
 def test_nvtx_ranges_only_when_asked(monkeypatch):
     """kda_forward's stage ranges follow KDA_OPT_NVTX, read on every call (kda_opt/launch)."""
     from kda_opt.launch import NVTX_VARIABLE, nvtx_enabled
