@@ -22,15 +22,18 @@ from triton import knobs
 Kernels = dict  # JITFunction → its compiled kernel, for one plan
 
 
-def triton_launch(fn, grid, kernels: Kernels | None, *params, num_warps: int = 4, **args):
+def triton_launch(fn, grid, kernels: Kernels | None, *params, num_warps: int = 4, num_stages: int | None = None,
+                  **args):
     """fn[grid](...) through the compiled kernel held in `kernels` where it is there (None: always
     through the JIT). The kernel's parameters: `params`, every one in order (the cheaper on the
-    host), or `args` by name; num_warps: its warps (Triton's default 4)."""
+    host), or `args` by name; num_warps: its warps (Triton's default 4); num_stages: its software
+    pipeline's stages (None: Triton's default)."""
     kernel = None if kernels is None else kernels.get(fn)
     if kernel is None or launch_hooks():
         # First launch under the plan, or a profiler's launch hook that wants the JIT's launch
         # metadata. Under TRITON_INTERPRET the launch returns no compiled kernel: every launch is here.
-        kernel = fn[grid](*params, **args, num_warps=num_warps)
+        stages = {} if num_stages is None else {"num_stages": num_stages}
+        kernel = fn[grid](*params, **args, num_warps=num_warps, **stages)
         if kernels is not None and hasattr(kernel, "packed_metadata"):
             kernels[fn] = kernel
         params = params or [args[name] for name in fn.arg_names]

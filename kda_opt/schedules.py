@@ -248,7 +248,7 @@ def merge(h: torch.Tensor, M: torch.Tensor, v_first: bool = False) -> torch.Tens
     h [n, …] (each segment's final state from zero; the first's from the true start) and M [n − 1, …,
     HV, K, K] (the transitions of segments 1 .. n − 1), S_0 = h_0, S_j = M_{j−1} S_{j−1} + h_j: one
     launch (merge_kernel), each (chain, V block) program carrying its S through the n − 1 products in
-    fp32 (full-precision products, not tf32)."""
+    fp32 (each product three tf32 ones, about fp32's precision)."""
     K = M.shape[-1]
     V = h.shape[-2] if v_first else h.shape[-1]
     chains = h[0].numel() // (K * V)
@@ -256,7 +256,7 @@ def merge(h: torch.Tensor, M: torch.Tensor, v_first: bool = False) -> torch.Tens
     out = torch.empty_like(h)
     block = min(V, MERGE_BLOCK_V)
     triton_launch(merge_kernel, (chains, V // block), None, h, M, out, h.shape[0], K, V, block, chains, v_first,
-                  num_warps=8)
+                  num_warps=8, num_stages=1)
     return out
 
 
@@ -267,20 +267,29 @@ MERGE_BLOCK_V = 32      # merge_kernel's V columns per program
 def merge_kernel(h, M, out, n, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, CHAINS: tl.constexpr,
                  V_FIRST: tl.constexpr):
     """out[0] = h[0], out[j] = M[j − 1] out[j − 1] + h[j] (merge) for chain program_id(0) over V block
-    program_id(1): h, out [n, CHAINS, K, V] ([…, V, K] V_FIRST), M [n − 1, CHAINS, K, K], contiguous."""
-    i_c, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    o_s = i_c * K * V + (o_v[None, :] * K + o_k[:, None] if V_FIRST else o_k[:, None] * V + o_v[None, :])
-    p_h, p_out, p_m = h + o_s, out + o_s, M + i_c * K * K + o_k[:, None] * K + o_k[None, :]
+    program_id(1): h, out [n, CHAINS, K, V] ([…, V, K] V_FIRST), M [n − 1, CHAINS, K, K], contiguous.
+    Products as three tf32 ones ("tf32x3"), the loads unpipelined (num_stages 1): at K = V = 128 254
+    registers and 96 KB of shared memory, no stack (sm_90); "ieee" products there kept 32 registers
+    and spilled 3.7–8 KB a thread, whatever the warps and stages."""
+    i_c, i_v = tl.program_id(0), tl.program_id(1)
+    # Chain i_c's state tile [K, BV] in segment 0: rows of the K-first states [n·CHAINS·K, V], or the
+    # V-first ones [n·CHAINS·V, K] read transposed; a segment on is CHAINS states further.
+    if V_FIRST:
+        p_h = tl.make_block_ptr(h, (K, n * CHAINS * V), (1, K), (0, i_c * V + i_v * BV), (K, BV), (0, 1))
+        p_out = tl.make_block_ptr(out, (K, n * CHAINS * V), (1, K), (0, i_c * V + i_v * BV), (K, BV), (0, 1))
+        step = (0, CHAINS * V)
+    else:
+        p_h = tl.make_block_ptr(h, (n * CHAINS * K, V), (V, 1), (i_c * K, i_v * BV), (K, BV), (1, 0))
+        p_out = tl.make_block_ptr(out, (n * CHAINS * K, V), (V, 1), (i_c * K, i_v * BV), (K, BV), (1, 0))
+        step = (CHAINS * K, 0)
+    p_m = tl.make_block_ptr(M, ((n - 1) * CHAINS * K, K), (K, 1), (i_c * K, 0), (K, K), (1, 0))
     S = tl.load(p_h)
     tl.store(p_out, S)
     for _ in range(1, n):
-        p_h += CHAINS * K * V
-        p_out += CHAINS * K * V
-        S = tl.dot(tl.load(p_m), S, input_precision="ieee") + tl.load(p_h)
+        p_h, p_out = tl.advance(p_h, step), tl.advance(p_out, step)
+        S = tl.dot(tl.load(p_m), S, input_precision="tf32x3") + tl.load(p_h)
         tl.store(p_out, S)
-        p_m += CHAINS * K * K
+        p_m = tl.advance(p_m, (CHAINS * K, 0))
 
 
 def _state_row(plan: Plan) -> tuple[int, int, int]:

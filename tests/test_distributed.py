@@ -123,8 +123,8 @@ def test_merge_of_states_and_transitions(K, V):
     for j in range(1, 5):
         S.append(M[j - 1].double() @ S[-1] + h[j].double())
     S = torch.stack(S)
-    assert reference.rel_err(merge(h, M), S) < 1e-6
-    assert reference.rel_err(merge(h.transpose(-1, -2).contiguous(), M, v_first=True).transpose(-1, -2), S) < 1e-6
+    assert reference.rel_err(merge(h, M), S) < 1e-5       # three tf32 products each on a GPU
+    assert reference.rel_err(merge(h.transpose(-1, -2).contiguous(), M, True).transpose(-1, -2), S) < 1e-5
     assert torch.equal(merge(h[:1], M[:0]), h[:1])
 
 
