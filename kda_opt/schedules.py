@@ -256,11 +256,11 @@ def merge(h: torch.Tensor, M: torch.Tensor, v_first: bool = False) -> torch.Tens
     out = torch.empty_like(h)
     block = min(V, MERGE_BLOCK_V)
     triton_launch(merge_kernel, (chains, V // block), None, h, M, out, h.shape[0], K, V, block, chains, v_first,
-                  num_warps=8, num_stages=1)
+                  num_warps=4, num_stages=1)
     return out
 
 
-MERGE_BLOCK_V = 32      # merge_kernel's V columns per program
+MERGE_BLOCK_V = 16      # merge_kernel's V columns per program
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -268,28 +268,33 @@ def merge_kernel(h, M, out, n, K: tl.constexpr, V: tl.constexpr, BV: tl.constexp
                  V_FIRST: tl.constexpr):
     """out[0] = h[0], out[j] = M[j − 1] out[j − 1] + h[j] (merge) for chain program_id(0) over V block
     program_id(1): h, out [n, CHAINS, K, V] ([…, V, K] V_FIRST), M [n − 1, CHAINS, K, K], contiguous.
-    Products as three tf32 ones ("tf32x3"), the loads unpipelined (num_stages 1): at K = V = 128 254
-    registers and 96 KB of shared memory, no stack (sm_90); "ieee" products there kept 32 registers
-    and spilled 3.7–8 KB a thread, whatever the warps and stages."""
-    i_c, i_v = tl.program_id(0), tl.program_id(1)
-    # Chain i_c's state tile [K, BV] in segment 0: rows of the K-first states [n·CHAINS·K, V], or the
-    # V-first ones [n·CHAINS·V, K] read transposed; a segment on is CHAINS states further.
-    if V_FIRST:
-        p_h = tl.make_block_ptr(h, (K, n * CHAINS * V), (1, K), (0, i_c * V + i_v * BV), (K, BV), (0, 1))
-        p_out = tl.make_block_ptr(out, (K, n * CHAINS * V), (1, K), (0, i_c * V + i_v * BV), (K, BV), (0, 1))
-        step = (0, CHAINS * V)
-    else:
-        p_h = tl.make_block_ptr(h, (n * CHAINS * K, V), (V, 1), (i_c * K, i_v * BV), (K, BV), (1, 0))
-        p_out = tl.make_block_ptr(out, (n * CHAINS * K, V), (V, 1), (i_c * K, i_v * BV), (K, BV), (1, 0))
-        step = (CHAINS * K, 0)
-    p_m = tl.make_block_ptr(M, ((n - 1) * CHAINS * K, K), (K, 1), (i_c * K, 0), (K, K), (1, 0))
-    S = tl.load(p_h)
-    tl.store(p_out, S)
+    S is carried as its two row halves [K / 2, BV] and each M as its four quarters, each product three
+    tf32 ones (about fp32's precision): at 4 warps and BV = 16 no spill at any K, V (168–238 registers,
+    sm_90), where whole [K, K] tiles, or "ieee" products, spilled up to 8 KB a thread."""
+    R: tl.constexpr = K // 2
+    i_c, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    o_r = tl.arange(0, R)
+    o_v = i_v * BV + tl.arange(0, BV)
+    top = o_v[None, :] * K + o_r[:, None] if V_FIRST else o_r[:, None] * V + o_v[None, :]   # rows 0 .. R − 1
+    bottom = top + (R if V_FIRST else R * V)                                                 # rows R .. K − 1
+    quarter = o_r[:, None] * K + o_r[None, :]                                                # M[:R, :R]
+    h += i_c * K * V
+    out += i_c * K * V
+    M += i_c * K * K
+    S0, S1 = tl.load(h + top), tl.load(h + bottom)
+    tl.store(out + top, S0)
+    tl.store(out + bottom, S1)
     for _ in range(1, n):
-        p_h, p_out = tl.advance(p_h, step), tl.advance(p_out, step)
-        S = tl.dot(tl.load(p_m), S, input_precision="tf32x3") + tl.load(p_h)
-        tl.store(p_out, S)
-        p_m = tl.advance(p_m, (CHAINS * K, 0))
+        h += CHAINS * K * V
+        out += CHAINS * K * V
+        T0 = (tl.dot(tl.load(M + quarter), S0, input_precision="tf32x3")
+              + tl.dot(tl.load(M + R + quarter), S1, input_precision="tf32x3"))
+        T1 = (tl.dot(tl.load(M + R * K + quarter), S0, input_precision="tf32x3")
+              + tl.dot(tl.load(M + R * K + R + quarter), S1, input_precision="tf32x3"))
+        S0, S1 = T0 + tl.load(h + top), T1 + tl.load(h + bottom)
+        tl.store(out + top, S0)
+        tl.store(out + bottom, S1)
+        M += CHAINS * K * K
 
 
 def _state_row(plan: Plan) -> tuple[int, int, int]:

@@ -78,9 +78,9 @@ def test_correction_adds_each_chunks_map_of_its_segments_start(v_first):
 
 SM90_SPECIALISATIONS = {
     "merge, K-first": ("merge_kernel", dict(h="*fp32", M="*fp32", out="*fp32", n="i32"),
-                       dict(K=128, V=128, BV=32, CHAINS=16, V_FIRST=False), dict(num_warps=8, num_stages=1)),
+                       dict(K=128, V=128, BV=16, CHAINS=16, V_FIRST=False), dict(num_warps=4, num_stages=1)),
     "merge, V-first": ("merge_kernel", dict(h="*fp32", M="*fp32", out="*fp32", n="i32"),
-                       dict(K=128, V=128, BV=32, CHAINS=16, V_FIRST=True), dict(num_warps=8, num_stages=1)),
+                       dict(K=128, V=64, BV=16, CHAINS=16, V_FIRST=True), dict(num_warps=4, num_stages=1)),
     "correction, bf16": ("correct_kernel", dict(o="*bf16", o_m="*bf16", ends="*fp32", segment_of="*i32", T="i32"),
                          dict(HV=12, K=128, V=128, BV=64, C=64, V_FIRST=True), dict(num_warps=4)),
     "correction, fp32": ("correct_kernel", dict(o="*fp32", o_m="*fp32", ends="*fp32", segment_of="*i32", T="i32"),
@@ -91,7 +91,7 @@ SM90_SPECIALISATIONS = {
 @pytest.mark.parametrize("name", list(SM90_SPECIALISATIONS))
 def test_merge_and_correction_compile_for_sm90_without_spills(name):
     """The merge and correction kernels as launched, compiled for sm_90 here (Triton's own ptxas; no
-    GPU needed): no stack frame (the merge's "ieee" products, or a [K, K] tensor of pointers, spilled
+    GPU needed): no stack frame (the merge's "ieee" products, or its whole [K, K] tiles, spilled
     kilobytes a thread)."""
     import triton
     from triton.backends.compiler import GPUTarget
