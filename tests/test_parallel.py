@@ -88,23 +88,37 @@ SM90_SPECIALISATIONS = {
 }
 
 
+# Compiles one specialisation (argv: kernel, signature, constants, options as JSON) and writes its cubin
+# to stdout; run in a process of its own without TRITON_INTERPRET, which Triton 3.9 applies to every
+# compile in a process that has it.
+COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kda_opt import schedules
+kernel, signature, constants, options = json.loads(sys.argv[1])
+source = ASTSource(getattr(schedules, kernel), {**signature, **{n: "constexpr" for n in constants}}, constexprs=constants)
+sys.stdout.buffer.write(triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"])
+"""
+
+
 @pytest.mark.parametrize("name", list(SM90_SPECIALISATIONS))
 def test_merge_and_correction_compile_for_sm90_without_spills(name):
     """The merge and correction kernels as launched, compiled for sm_90 here (Triton's own ptxas; no
     GPU needed): no stack frame (the merge's "ieee" products, or its whole [K, K] tiles, spilled
     kilobytes a thread)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-    from kda_opt import schedules
+    import json
+    import os
+    import subprocess
+    import sys
     from tests.test_wuso import resources
-    kernel, signature, constants, options = SM90_SPECIALISATIONS[name]
-    fn = getattr(schedules, kernel)
-    fn = JITFunction(fn.fn) if not isinstance(fn, JITFunction) else fn      # under TRITON_INTERPRET
-    source = ASTSource(fn, {**signature, **{n: "constexpr" for n in constants}}, constexprs=constants)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    registers, stack = resources(compiled.asm["cubin"])
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {n: x for n, x in os.environ.items() if n != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
+    cubin = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(SM90_SPECIALISATIONS[name])], env=env,
+                           capture_output=True, check=True).stdout
+    registers, stack = resources(cubin)
     assert stack == 0 and registers <= 255, (registers, stack)
 
 
