@@ -29,16 +29,16 @@ def triton_launch(fn, grid, kernels: Kernels | None, *params, num_warps: int = 4
     host), or `args` by name; num_warps: its warps (Triton's default 4); num_stages: its software
     pipeline's stages (None: Triton's default)."""
     kernel = None if kernels is None else kernels.get(fn)
-    if kernel is None or launch_hooks():
+    jit = kernel is None or launch_hooks()
+    if jit:
         # First launch under the plan, or a profiler's launch hook that wants the JIT's launch
         # metadata. Under TRITON_INTERPRET the launch returns no compiled kernel: every launch is here.
         stages = {} if num_stages is None else {"num_stages": num_stages}
         kernel = fn[grid](*params, **args, num_warps=num_warps, **stages)
         if kernels is not None and hasattr(kernel, "packed_metadata"):
             kernels[fn] = kernel
-        params = params or [args[name] for name in fn.arg_names]
-    else:
-        params = params or [args[name] for name in fn.arg_names]
+    params = params or [args[name] for name in fn.arg_names]
+    if not jit:
         g = tuple(grid) + (1,) * (3 - len(grid))
         # Tensors as their addresses: the launcher then neither calls data_ptr nor asks the driver
         # whether each address is a device one (the plan has checked every tensor's device).

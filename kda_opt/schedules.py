@@ -59,14 +59,10 @@ def parallel(plan: Plan, q, k, v, g, beta, state, checkpoints, prepare, stage4):
     gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta)
     common = dict(qk_rstd=rstd, beta_residual=r)
     o = torch.empty_like(v)
-    # Pass 1: segments 0 .. S − 2 from zero (segment 0 from the call's initial state: its slot, or
-    # row 0 of a dense state, where the others read none), and their transitions from I (1 .. S − 2).
-    pool, initial, mask = state["read_slots"], state["initial_state"], state["has_initial_state"]
-    slots = None
-    if initial is not None:
-        slots = torch.cat((state["slots"].to(torch.int32) if pool else zero_slot[:1], no_slot[:S - 2]))
-        if mask is not None:
-            mask = torch.cat((mask, mask.new_zeros(S - 2)))
+    # Pass 1: segments 0 .. S − 2 from zero (segment 0 from the call's initial state), and their
+    # transitions from I (1 .. S − 2).
+    initial = state["initial_state"]
+    slots, mask = _first_segment_reads(state, S - 2, zero_slot, no_slot)
     h = v.new_empty((S - 1, *_state_row(plan)), dtype=torch.float32)
     stage4(q, k, v, gcum, Tm, Aqk, initial_state=initial, slots=slots, read_slots=initial is not None,
            has_initial_state=mask, final_state=h, cu_seqlens=bounds[:S], out=o, checkpoints=checkpoints,
@@ -101,12 +97,8 @@ def parallel_corrected(plan: Plan, q, k, v, g, beta, state, checkpoints, prepare
     gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta)
     common = dict(qk_rstd=rstd, beta_residual=r)
     o = v.new_empty(v.shape)
-    initial, mask = state["initial_state"], state["has_initial_state"]
-    slots = None
-    if initial is not None:     # segment 0 reads row 0 of the dense state, the others none
-        slots = torch.cat((zero_slot[:1], no_slot[:S - 1]))
-        if mask is not None:
-            mask = torch.cat((mask, mask.new_zeros(S - 1)))
+    initial = state["initial_state"]
+    slots, mask = _first_segment_reads(state, S - 1, zero_slot, no_slot)
     h = v.new_empty((S, *_state_row(plan)), dtype=torch.float32)
     stage4(q, k, v, gcum, Tm, Aqk, initial_state=initial, slots=slots, read_slots=initial is not None,
            has_initial_state=mask, final_state=h, cu_seqlens=bounds, out=o, **common)
@@ -120,6 +112,19 @@ def parallel_corrected(plan: Plan, q, k, v, g, beta, state, checkpoints, prepare
     if state["final_state"] is not None:
         state["final_state"].copy_(ends[-1:])
     return o
+
+
+def _first_segment_reads(state, others: int, zero_slot, no_slot):
+    """(slots, has_initial_state) of a pass whose first segment starts from the call's initial state
+    (its pool slot, or row 0 of a dense state) and whose `others` segments after it read none (zeros);
+    without an initial state, (None, the call's has_initial_state)."""
+    mask = state["has_initial_state"]
+    if state["initial_state"] is None:
+        return None, mask
+    first = state["slots"].to(torch.int32) if state["read_slots"] else zero_slot[:1]
+    if mask is not None:
+        mask = torch.cat((mask, mask.new_zeros(others)))
+    return torch.cat((first, no_slot[:others])), mask
 
 
 CORRECT_BLOCK_V = 64    # correct_kernel's V columns per program

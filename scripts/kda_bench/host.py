@@ -102,9 +102,7 @@ def host_rows(fla, out_dir, quiet=False):
     import kda_opt
     kda_opt.use_in_fla()
     rows = []
-    every = [(name, fields, extra) for name, fields, extra in HOST_CALLS] + [(name, B, packed) for name, B, packed
-                                                                          in DECODE_CALLS]
-    for name, fields, extra in progress(every, lambda c: c[0], quiet):
+    for name, fields, extra in progress(HOST_CALLS + DECODE_CALLS, lambda c: c[0], quiet):
         if isinstance(fields, dict):
             case = Case(**{"B": 1, "H": H, "K": K, "gate": "safe", "lower_bound": -5.0, "dtype": torch.bfloat16,
                            "seed": 0, **fields})
