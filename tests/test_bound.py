@@ -127,6 +127,18 @@ def test_call_records_the_second_run_and_replays_later_ones(monkeypatch):
     assert plain.unbound == "it runs in segments" and len(recorded) == 1
 
 
+def test_plans_that_launch_by_more_than_their_signature_are_unbindable():
+    """Plan.unbindable: segments (time or parallel) and launches sized from cu_seqlens_cpu's lengths
+    (sized launches, parallel cuts) give a reason; a one-pass plan none."""
+    from kda_opt.plan import Plan
+    plan = lambda **over: types.SimpleNamespace(**{**dict(parallel=False, segments=((0, 64),), parallel_cut=None,
+                                                            sized_launches=False), **over})
+    reason = Plan.unbindable.fget
+    assert reason(plan()) is None
+    assert reason(plan(segments=((0, 64), (64, 128)))) == reason(plan(parallel=True)) == "it runs in segments"
+    assert "cu_seqlens_cpu" in reason(plan(sized_launches=True)) and "cu_seqlens_cpu" in reason(plan(parallel_cut=1))
+
+
 class _Recording:
     def bound(self, result):
         return lambda inputs: "replayed"
