@@ -10,10 +10,11 @@ the new addresses, without the stages' Python. (The first call is left unrecorde
 
 A call is bound only where replaying it is sound, and otherwise runs as ever (Entry.unbound says
 why): every tensor a launch takes is one of the call's inputs, a buffer the call allocated or a
-constant of the package (kda_opt/launch.constant); the call runs no torch operation but allocations
-and views (a copy, a fill or a cast made outside the launches would not be replayed); and its
-launches depend on nothing outside the signature (kda_opt/plan's Plan.unbindable: no launch sized
-from a host copy's lengths, no schedule of segments).
+constant of the package (kda_opt/launch.constant); the call runs no torch operation but allocations,
+views and copies from one of those tensors into another (replayed in their place among the launches;
+a fill, a cast or a concatenation made outside the launches would not be); and its launches depend
+on nothing outside the signature (kda_opt/plan's Plan.unbindable: no launch sized from a host copy's
+lengths, no time segments on two streams).
 """
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -38,13 +39,15 @@ class Recording(TorchDispatchMode):
         super().__init__()
         self.inputs = inputs
         self.buffers: list[torch.Tensor] = []
-        self.launches: list[tuple] = []       # ("triton" | "cutile", kernel, grid, arguments)
+        self.launches: list[tuple] = []       # ("triton" | "cutile" | "copy", kernel, grid, arguments)
         self.reason: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func.overloadpacket in ALLOCATIONS and out.device == self.inputs[0].device:
             self.buffers.append(out)
+        elif func is aten.copy_.default and len(args) == 2 and not kwargs:
+            self.launches.append(("copy", None, None, tuple(args)))
         elif not (func.is_view and args and _same_storage(out, args[0])) and self.reason is None:
             self.reason = f"it runs {func} outside its launches"     # (contiguous counts as a view: it may copy)
         return out
@@ -143,7 +146,7 @@ class Bound:
 
         self.launches = []
         for kind, kernel, grid, arguments in recording.launches:
-            cutile = kind == "cutile"
+            cutile = kind != "triton"           # (a copy takes its tensors as cuTile does)
             template = list(arguments)
             fills = []
             for n, x in enumerate(arguments):
@@ -154,7 +157,7 @@ class Bound:
                     else:                               # filled in on each replay: the recorded
                         template[n] = None              # call's tensor is not kept (nor its memory)
                         fills.append((n, how))
-            self.launches.append((cutile, kernel, grid, template, fills))
+            self.launches.append((kind, kernel, grid, template, fills))
         self.outputs = tuple(None if y is None else source(y, True) for y in outputs)
 
     def __call__(self, inputs: tuple):
@@ -178,12 +181,15 @@ class Bound:
                 typed[a, dtype] = allocations[a].view(torch.uint8).view(dtype)
             tensors.append(typed[a, dtype].as_strided(shape, stride, offset))
         stream = launch.current_stream()
-        for cutile, kernel, grid, template, fills in self.launches:
+        for kind, kernel, grid, template, fills in self.launches:
             arguments = template.copy()
-            if cutile:
+            if kind != "triton":
                 for n, t in fills:
                     arguments[n] = tensors[t]
-                launch.cutile(stream, grid, kernel, tuple(arguments))
+                if kind == "copy":
+                    arguments[0].copy_(arguments[1])
+                else:
+                    launch.cutile(stream, grid, kernel, tuple(arguments))
             else:
                 for n, p in fills:
                     arguments[n] = addresses[p]

@@ -32,9 +32,9 @@ from .decode import decode
 from .launch import Kernels, annotated, direct, nvtx_enabled, one_allocation
 from .options import CHUNK
 from .plan import Plan, Tuning, make_plan, plan_for
-from .schedules import final_states, packed_pieces, parallel, parallel_corrected, parallel_packed, pipelined, units
+from .schedules import final_states, packed_pieces, parallel, parallel_packed, pipelined, units
 from .seqs import block_offsets, longest_first, packed, phased, sequence_counts
-from .wuso import TRANSITION_STATE, wuso
+from .wuso import wuso
 
 
 def kda_forward(
@@ -273,8 +273,7 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
         state = dict(initial_state=initial_state, final_state=final, slots=initial_state_indices,
                      read_slots=plan.state_pool, write_slots=plan.state_pool, has_initial_state=has_initial_state)
         if plan.parallel:
-            schedule = parallel if plan.parallel_passes == 3 else parallel_corrected
-            o = schedule(plan, q, k, v, g, beta, state, checkpoints, prepare, stage4)
+            o = parallel(plan, q, k, v, g, beta, state, checkpoints, prepare, stage4)
         elif cut is not None:
             o = parallel_packed(plan, q, k, v, g, beta, seqs, state, checkpoints, prepare, stage4, *cut)
         elif one_pass:
@@ -348,7 +347,7 @@ class Prepared:
         wuso(q, k, v, gcum, Tm, Aqk, plan.scale, math.gcd(plan.block_v, plan.K),
              initial_state=units(q.device, plan.HV, plan.K), read_slots=True,
              slots=torch.zeros(plan.N, dtype=torch.int32, device=q.device), final_state=M,
-             cu_seqlens=self.cu_seqlens, qk_rstd=rstd, beta_residual=r, transition=TRANSITION_STATE,
+             cu_seqlens=self.cu_seqlens, qk_rstd=rstd, beta_residual=r, transition=True,
              worker_warps=plan.worker_warps)
         return M
 

@@ -58,10 +58,7 @@ class Tuning:
     worker_warps: int = WORKER_WARPS  # stage 4's worker warps
     parallel: bool | None = None  # a long sequence's segments at once (parallel_segments, cut_sequences);
                                   # None: where it pays, True: wherever it applies, False: never
-    parallel_tokens: int = 2048   # parallel segments: at least this many tokens each
-    parallel_passes: int = 3      # parallel segments of one sequence: 3 stage-4 passes, or 2 and a correction
-                                  # (kda_opt/schedules.parallel_corrected; not with a pool or checkpoints;
-                                  # not yet measured, so not the default)
+    parallel_tokens: int = 512    # parallel segments: at least this many tokens each
     short_sequences: bool = True  # packed: a sequence of one chunk read by element offsets, not views
     route_decodes: bool = True    # packed, one pass: sequences of one token through kda_opt/decode
     longest_first: bool = True    # packed, one pass, more stage-4 programs than SMs (at most RANK_MAX
@@ -115,7 +112,6 @@ class Plan(Sizes):
     block_v: int                  # stage 4's V columns per program
     segments: tuple[tuple[int, int], ...]  # token ranges: time segments, or parallel segments
     parallel: bool                # the segments run at once (parallel_segments), not one after another
-    parallel_passes: int          # parallel: 3 stage-4 passes, or 2 and a correction (Tuning.parallel_passes)
     parallel_cut: ParallelCut | None  # packed: long sequences cut into parallel segments on each call
     pad_slot: int | None          # a pool slot padding sequences name: read and written as a negative one
     short_sequences: bool         # packed: stage 4 reads a sequence of one chunk by element offsets
@@ -129,8 +125,8 @@ class Plan(Sizes):
     def unbindable(self) -> str | None:
         """Why a call of this plan may launch differently from another (so that it is not bound,
         kda_opt/bound), or None."""
-        if self.parallel or len(self.segments) > 1:
-            return "it runs in segments"
+        if not self.parallel and len(self.segments) > 1:
+            return "it runs in time segments"
         if self.parallel_cut is not None or self.sized_launches:
             return "its launches follow the lengths in cu_seqlens_cpu"
         return None
@@ -174,9 +170,7 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     # One packed sequence whose host copy says it spans [0, T] (check_host_copies) is the fixed-length
     # call of B = 1, with its time or parallel segments; without the copy the device values are unseen.
     packed = cu_seqlens is not None and (N > 1 or cu_seqlens_cpu is None or checkpoint_offsets is not None)
-    # Two passes take every segment in their first: one wave is then SMs / HV segments, not one more.
-    passes = 2 if tuning.parallel_passes == 2 and not pool and checkpoints is None else 3
-    parallel = parallel_segments(T, N, HV, sms - HV if passes == 2 else sms, packed, tuning.parallel_tokens, align)
+    parallel = parallel_segments(T, N, HV, sms, packed, tuning.parallel_tokens, align)
     if tuning.parallel is False or tuning.parallel is None and not _parallel_pays(T, HV, V):
         parallel = None
     cut = None
@@ -184,8 +178,8 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             tuning.parallel or tuning.parallel is None and _parallel_pays(T, HV, V)):
         cut = ParallelCut(sms, tuning.parallel_tokens, align, 0 if tuning.parallel else PARALLEL_LONGEST,
                           tuning.block_v)
-    block_v = tuning.block_v or block_v_for((len(parallel) - (passes == 3) if parallel else N) * HV,
-                                            math.gcd(V, K) if parallel else V, sms, q.dtype)
+    block_v = tuning.block_v or block_v_for((len(parallel) - 1 if parallel else N) * HV, math.gcd(V, K) if parallel
+                                            else V, sms, q.dtype)
     segments = parallel or time_segments(T, N, N * HV * (V // block_v), sms, packed, tuning.segment_tokens,
                                          tuning.max_segments, align)
     # (With checkpoint offsets a sequence of one chunk may be cut in two: stage 4's own launches.)
@@ -205,8 +199,7 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         copied=tuple(n for n, x in (("q", q), ("k", k), ("v", v), ("beta", beta)) if not _rows_readable(x)),
         block_v=block_v,
         checkpoint_every=checkpoint_every, checkpoint_offsets=checkpoint_offsets is not None,
-        segments=segments, parallel=parallel is not None, parallel_passes=passes, parallel_cut=cut,
-        pad_slot=pad_slot,
+        segments=segments, parallel=parallel is not None, parallel_cut=cut, pad_slot=pad_slot,
         short_sequences=short_sequences,
         # Ordered where stage 4 runs in waves: list scheduling longest first (the SMs take programs in
         # grid order) ends its waves together, and a mixed step's prefills start before its decodes'
@@ -363,15 +356,19 @@ def cut_sequences(cu_seqlens: list[int], HV: int, cut: ParallelCut) -> tuple[tup
                  for t in range(t0, max(t1, t0 + 1), step))
 
 
-# Parallel segments pay from a sequence of this many tokens (at few heads: _parallel_pays).
+# Packed sequences are cut into parallel segments from a longest sequence of this many tokens
+# (ParallelCut; at few heads: _parallel_pays).
 PARALLEL_LONGEST = 65536
+# A lone sequence runs in parallel segments from this many tokens (at few heads: _parallel_pays).
+PARALLEL_FROM = 8192
 
 
 def _parallel_pays(T: int, HV: int, V: int) -> bool:
-    """Where parallel segments beat the time segments: measured at T = 65536 with HV·V = 16·128 (1.03–
-    1.24×), 8·128 and 4·128 at 128K and 256K tokens (1.8–3.6×); slower at (1, 32768, 32) (0.86–0.97×;
-    docs/DESIGN.md, "Parallel segments")."""
-    return HV * V <= 16 * 128 and T >= PARALLEL_LONGEST
+    """Where parallel segments beat one pass or the time segments (docs/DESIGN.md, "Parallel
+    segments"): a sequence of at least PARALLEL_FROM tokens whose chains fill at most 96 programs at
+    stage 4's narrowest block (HV·V ≤ 24·128: the tensor-parallel shards of 8–24 heads); measured
+    slower at (1, 32768, 32)."""
+    return HV * V <= 24 * 128 and T >= PARALLEL_FROM
 
 
 def time_segments(T: int, N: int, programs: int, sms: int, is_packed: bool, segment_tokens: int,

@@ -16,15 +16,9 @@ packed sequences: (1) segments 0 .. S − 2, segment 0 from the call's initial s
 from zero, giving h (and segment 0's o and checkpoints); (2) the transitions M of segments 1 .. S − 2
 (stage 4 with v = 0 over K state columns from S_in = I, no o); then the merge, S_{j+1} = M_j S_j + h_j
 in one launch (S − 2 products in fp32, merge_kernel); (3) segments 1 .. S − 1 from their true starts,
-giving their o, checkpoints and the final state. Or (plan.parallel_passes = 2, a knob not yet
-measured) two passes and a correction, for one sequence without a pool or checkpoints: o_c from a
-segment's start S_j is o_c(0) + O^M_c S_j, where O^M_c [64, K] is stage 4's o of chunk c over the
-transition's K columns (v = 0, from I), so pass (1) runs every segment from zero (the first from the
-call's state) and pass (2) the transitions with their o, and one launch adds O^M_c S_j to each chunk
-(parallel_corrected; o(0) and O^M rounded to o's dtype once each before it). Packed sequences with
-their host copy (cu_seqlens_cpu) are cut on each call: the long ones into segments, the others whole,
-every sequence's rows in order as pieces, and each pass runs the run of pieces it needs
-(parallel_packed). Three passes, each with every
+giving their o, checkpoints and the final state. Packed sequences with their host copy (cu_seqlens_cpu)
+are cut on each call: the long ones into segments, the others whole, every sequence's rows in order as
+pieces, and each pass runs the run of pieces it needs (parallel_packed). Three passes, each with every
 (segment, head) program at once, against one pass whose chain is the longest sequence. The result is
 that of one pass up to the rounding of M's 16-bit product operands, within one pass's error against
 the float64 recurrence (tests/test_parallel.py).
@@ -38,10 +32,11 @@ import torch
 import triton
 import triton.language as tl
 
+from . import launch
 from .launch import triton_launch
-from .options import CHUNK, state_shape
+from .options import state_shape
 from .plan import Plan, cut_sequences
-from .wuso import TRANSITION_OUTPUT, TRANSITION_STATE, block_v_for
+from .wuso import block_v_for
 
 
 def final_states(plan: Plan, like: torch.Tensor) -> torch.Tensor:
@@ -53,121 +48,51 @@ def parallel(plan: Plan, q, k, v, g, beta, state, checkpoints, prepare, stage4):
     """o over plan.segments of one sequence (B = 1) run at once (module docstring, "Parallel
     segments"); `state` holds stage 4's state arguments of the whole call. A pool slot is read by
     segment 0 and written by the last; a dense final state is the last segment's row of its own
-    buffer, copied."""
+    buffer, copied. With a dense state or none, and no has_initial_state, the call runs nothing but
+    allocations, views, copies and launches (its tables package constants), so kda_opt/bound can
+    replay it."""
     S = len(plan.segments)
-    bounds, first_rows, no_slot, zero_slot = _segment_tables(q.device, plan.segments, plan.checkpoint_every)
+    t = _segment_tables(q.device, plan.segments, plan.checkpoint_every)
     gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta)
     common = dict(qk_rstd=rstd, beta_residual=r)
     o = torch.empty_like(v)
     # Pass 1: segments 0 .. S − 2 from zero (segment 0 from the call's initial state), and their
     # transitions from I (1 .. S − 2).
     initial = state["initial_state"]
-    slots, mask = _first_segment_reads(state, S - 2, zero_slot, no_slot)
+    slots, mask = _first_segment_reads(state, t)
     h = v.new_empty((S - 1, *_state_row(plan)), dtype=torch.float32)
     stage4(q, k, v, gcum, Tm, Aqk, initial_state=initial, slots=slots, read_slots=initial is not None,
-           has_initial_state=mask, final_state=h, cu_seqlens=bounds[:S], out=o, checkpoints=checkpoints,
-           checkpoint_rows=None if checkpoints is None else first_rows, **common)
+           has_initial_state=mask, final_state=h, cu_seqlens=t.first_bounds, out=o, checkpoints=checkpoints,
+           checkpoint_rows=None if checkpoints is None else t.first_rows, **common)
     M = v.new_empty((S - 2, plan.HV, plan.K, plan.K), dtype=torch.float32)
-    stage4(q, k, v, gcum, Tm, Aqk, initial_state=units(q.device, plan.HV, plan.K), slots=zero_slot[:S - 2],
-           read_slots=True, final_state=M, cu_seqlens=bounds[1:S], transition=TRANSITION_STATE, state_v_first=False,
+    stage4(q, k, v, gcum, Tm, Aqk, initial_state=units(q.device, plan.HV, plan.K), slots=t.middle_zeros,
+           read_slots=True, final_state=M, cu_seqlens=t.middle_bounds, transition=True, state_v_first=False,
            **common)
     starts = merge(h, M, plan.state_v_first)
     # Pass 2: segments 1 .. S − 1 from their true starts; the last writes the call's final state.
     final, pool = state["final_state"], state["write_slots"]
     ends = None if final is None or pool else torch.empty_like(starts)
     stage4(q, k, v, gcum, Tm, Aqk, initial_state=starts, final_state=final if pool else ends, write_slots=pool,
-           slots=torch.cat((no_slot[:S - 2], state["slots"].to(torch.int32))) if pool else None,
-           cu_seqlens=bounds[1:], out=o, checkpoints=checkpoints,
-           checkpoint_rows=None if checkpoints is None else first_rows[1:], **common)
+           slots=torch.cat((t.no_slots, state["slots"].to(torch.int32))) if pool else None,
+           cu_seqlens=t.last_bounds, out=o, checkpoints=checkpoints,
+           checkpoint_rows=None if checkpoints is None else t.last_rows, **common)
     if ends is not None:
         final.copy_(ends[-1:])
     return o
 
 
-def parallel_corrected(plan: Plan, q, k, v, g, beta, state, checkpoints, prepare, stage4):
-    """o over plan.segments of one sequence (B = 1) run at once in two stage-4 passes and a
-    correction (module docstring, "Parallel segments", plan.parallel_passes = 2): (1) every segment,
-    segment 0 from the call's initial state and the others from zero, giving h and their o from those
-    starts; (2) the transitions M of segments 1 .. S − 1 with their o over K columns, O^M; the merge
-    gives the state after each segment, and correct() adds O^M_c times its segment's start to each
-    chunk c of segments 1 .. S − 1. A dense final state is the last segment's end, copied. No pool,
-    no checkpoints (the plan keeps three passes for those)."""
-    S = len(plan.segments)
-    bounds, _, no_slot, zero_slot = _segment_tables(q.device, plan.segments, plan.checkpoint_every)
-    gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta)
-    common = dict(qk_rstd=rstd, beta_residual=r)
-    o = v.new_empty(v.shape)
-    initial = state["initial_state"]
-    slots, mask = _first_segment_reads(state, S - 1, zero_slot, no_slot)
-    h = v.new_empty((S, *_state_row(plan)), dtype=torch.float32)
-    stage4(q, k, v, gcum, Tm, Aqk, initial_state=initial, slots=slots, read_slots=initial is not None,
-           has_initial_state=mask, final_state=h, cu_seqlens=bounds, out=o, **common)
-    o_m = v.new_empty((*v.shape[:3], plan.K))
-    M = v.new_empty((S - 1, plan.HV, plan.K, plan.K), dtype=torch.float32)
-    stage4(q, k, v, gcum, Tm, Aqk, initial_state=units(q.device, plan.HV, plan.K), slots=zero_slot[:S - 1],
-           read_slots=True, final_state=M, cu_seqlens=bounds[1:], transition=TRANSITION_OUTPUT, out=o_m,
-           state_v_first=False, **common)
-    ends = merge(h, M, plan.state_v_first)
-    correct(o, o_m, ends, _chunk_segments(q.device, plan.segments), plan.state_v_first)
-    if state["final_state"] is not None:
-        state["final_state"].copy_(ends[-1:])
-    return o
-
-
-def _first_segment_reads(state, others: int, zero_slot, no_slot):
-    """(slots, has_initial_state) of a pass whose first segment starts from the call's initial state
-    (its pool slot, or row 0 of a dense state) and whose `others` segments after it read none (zeros);
-    without an initial state, (None, the call's has_initial_state)."""
+def _first_segment_reads(state, t: "_Segments"):
+    """(slots, has_initial_state) of pass 1, whose first segment starts from the call's initial state
+    (its pool slot, or row 0 of a dense state) and whose others read none (zeros); without an
+    initial state, (None, the call's has_initial_state)."""
     mask = state["has_initial_state"]
     if state["initial_state"] is None:
         return None, mask
-    first = state["slots"].to(torch.int32) if state["read_slots"] else zero_slot[:1]
     if mask is not None:
-        mask = torch.cat((mask, mask.new_zeros(others)))
-    return torch.cat((first, no_slot[:others])), mask
-
-
-CORRECT_BLOCK_V = 64    # correct_kernel's V columns per program
-
-
-def correct(o, o_m, ends, segment_of, v_first: bool) -> None:
-    """o [1, T, HV, V] += per chunk c of segment j ≥ 1: O^M_c ends[j − 1], in place (one launch,
-    correct_kernel). o_m [1, T, HV, K] (o's dtype); ends [S, HV, K, V] fp32 ([…, V, K] v_first), the
-    state after each segment; segment_of [cdiv(T, 64)] int32, each chunk's segment."""
-    _, T, HV, V = o.shape
-    K = o_m.shape[-1]
-    block = min(V, CORRECT_BLOCK_V)
-    triton_launch(correct_kernel, (segment_of.numel(), HV, V // block), None, o, o_m, ends, segment_of, T, HV, K, V,
-                  block, CHUNK, v_first)
-
-
-@triton.jit(do_not_specialize=["T"])
-def correct_kernel(o, o_m, ends, segment_of, T, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                   C: tl.constexpr, V_FIRST: tl.constexpr):
-    """o's chunk program_id(0), value head program_id(1), V block program_id(2) (rows dense, [1, T,
-    HV, V]): += its O^M rows [C, K] times the start of its segment j, ends[j − 1] (correct), with
-    operands in o's dtype (tf32 for fp32) and fp32 accumulation, as stage 4's products; a chunk of
-    segment 0 is left as it is."""
-    i_t, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    j = tl.load(segment_of + i_t)
-    if j > 0:
-        rows = i_t.to(tl.int64) * C + tl.arange(0, C)
-        live = (rows < T)[:, None]
-        o_k = tl.arange(0, K)
-        o_v = i_v * BV + tl.arange(0, BV)
-        o_m_rows = tl.load(o_m + (rows[:, None] * HV + i_hv) * K + o_k[None, :], mask=live, other=0.0)
-        start = ends + ((j - 1) * HV + i_hv).to(tl.int64) * K * V
-        s = tl.load(start + (o_v[None, :] * K + o_k[:, None] if V_FIRST else o_k[:, None] * V + o_v[None, :]))
-        p_o = o + (rows[:, None] * HV + i_hv) * V + o_v[None, :]
-        x = tl.load(p_o, mask=live, other=0.0).to(tl.float32) + tl.dot(o_m_rows, s.to(o_m_rows.dtype))
-        tl.store(p_o, x.to(p_o.dtype.element_ty), mask=live)
-
-
-@functools.lru_cache(maxsize=64)
-def _chunk_segments(device: torch.device, segments) -> torch.Tensor:
-    """Each chunk's parallel segment, [cdiv(T, 64)] int32 (segments start on chunks)."""
-    return torch.tensor([j for j, (t0, t1) in enumerate(segments) for _ in range(t0 // CHUNK, -(-t1 // CHUNK))],
-                        dtype=torch.int32, device=device)
+        mask = torch.cat((mask, mask.new_zeros(len(t.no_slots))))
+    if state["read_slots"]:
+        return torch.cat((state["slots"].to(torch.int32), t.no_slots)), mask
+    return t.first_zero, mask
 
 
 def packed_pieces(plan: Plan, cu_seqlens_cpu) -> tuple[tuple[tuple[int, int, int], ...], int] | None:
@@ -213,7 +138,7 @@ def parallel_packed(plan: Plan, q, k, v, g, beta, seqs, state, checkpoints, prep
            block_v=block_v, **common)
     lo, hi = t.m_pieces
     stage4(q, k, v, gcum, Tm, Aqk, initial_state=units(q.device, plan.HV, plan.K), slots=t.zeros[lo:hi],
-           read_slots=True, final_state=M[lo:hi], cu_seqlens=t.bounds[lo:hi + 1], transition=TRANSITION_STATE,
+           read_slots=True, final_state=M[lo:hi], cu_seqlens=t.bounds[lo:hi + 1], transition=True,
            state_v_first=False, block_v=math.gcd(block_v, plan.K), **common)
     # A cut sequence's piece j + 1 starts where piece j ends, M_j S_j + h_j, and its first piece ends
     # at h_0 (grid: [pieces, cut sequences], padded with the spare row).
@@ -261,11 +186,13 @@ def merge(h: torch.Tensor, M: torch.Tensor, v_first: bool = False) -> torch.Tens
     out = torch.empty_like(h)
     block = min(V, MERGE_BLOCK_V)
     triton_launch(merge_kernel, (chains, V // block), None, h, M, out, h.shape[0], K, V, block, chains, v_first,
-                  num_warps=4, num_stages=1)
+                  num_warps=MERGE_WARPS, num_stages=MERGE_STAGES)
     return out
 
 
-MERGE_BLOCK_V = 16      # merge_kernel's V columns per program
+# merge_kernel's launch: V columns per program, warps, and M's loads two stages deep (the next
+# transition's quarters copied to shared memory while this one's products run).
+MERGE_BLOCK_V, MERGE_WARPS, MERGE_STAGES = 8, 4, 2
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -274,8 +201,9 @@ def merge_kernel(h, M, out, n, K: tl.constexpr, V: tl.constexpr, BV: tl.constexp
     """out[0] = h[0], out[j] = M[j − 1] out[j − 1] + h[j] (merge) for chain program_id(0) over V block
     program_id(1): h, out [n, CHAINS, K, V] ([…, V, K] V_FIRST), M [n − 1, CHAINS, K, K], contiguous.
     S is carried as its two row halves [K / 2, BV] and each M as its four quarters, each product three
-    tf32 ones (about fp32's precision): at 4 warps and BV = 16 no spill at any K, V (168–238 registers,
-    sm_90), where whole [K, K] tiles, or "ieee" products, spilled up to 8 KB a thread."""
+    tf32 ones (about fp32's precision): at merge's launch no spill at any K, V (128–208 registers, 90 KB
+    of shared memory at K = 128, sm_90), where whole [K, K] tiles, or "ieee" products, spilled up to
+    8 KB a thread."""
     R: tl.constexpr = K // 2
     i_c, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_r = tl.arange(0, R)
@@ -307,14 +235,28 @@ def _state_row(plan: Plan) -> tuple[int, int, int]:
     return state_shape(1, plan.HV, plan.K, plan.V, plan.state_v_first)[1:]
 
 
+class _Segments(NamedTuple):
+    """One sequence's parallel segments' int32 device tables (_segment_tables), each a package
+    constant of its own (kda_opt/launch.constant), S segments."""
+    first_bounds: torch.Tensor  # [S] segments 0 .. S − 2's bounds, as cu_seqlens (pass 1)
+    middle_bounds: torch.Tensor  # [S − 1] segments 1 .. S − 2's (the transitions)
+    last_bounds: torch.Tensor   # [S] segments 1 .. S − 1's (pass 2)
+    first_rows: torch.Tensor    # [S − 1] segments 0 .. S − 2's first checkpoint rows
+    last_rows: torch.Tensor     # [S − 1] segments 1 .. S − 1's
+    no_slots: torch.Tensor      # [S − 2] slot rows of −1 (no state read or written)
+    middle_zeros: torch.Tensor  # [S − 2] slot rows of 0 (each transition's start, I)
+    first_zero: torch.Tensor    # [S − 1] slot 0 and then −1s: only segment 0 reads a dense initial state
+
+
 @functools.lru_cache(maxsize=64)
-def _segment_tables(device: torch.device, segments, checkpoint_every: int):
-    """Parallel segments' int32 device tables: their bounds [S + 1] (as cu_seqlens), each one's first
-    checkpoint row [S], and slot rows [S] of −1 (no state read or written) and of 0."""
-    bounds = torch.tensor([t0 for t0, _ in segments] + [segments[-1][1]], dtype=torch.int32, device=device)
-    first_rows = torch.tensor([t0 // checkpoint_every for t0, _ in segments], dtype=torch.int32, device=device)
-    no_slot = torch.full((len(segments),), -1, dtype=torch.int32, device=device)
-    return bounds, first_rows, no_slot, torch.zeros_like(no_slot)
+def _segment_tables(device: torch.device, segments, checkpoint_every: int) -> _Segments:
+    """The tables of parallel segments (t0, t1), ... (segments start on checkpoint boundaries)."""
+    S = len(segments)
+    bounds = [t0 for t0, _ in segments] + [segments[-1][1]]
+    rows = [t0 // checkpoint_every for t0, _ in segments]
+    none = [-1] * (S - 2)
+    tables = (bounds[:S], bounds[1:S], bounds[1:], rows[:S - 1], rows[1:], none, [0] * (S - 2), [0] + none)
+    return _Segments(*(launch.constant(torch.tensor(x, dtype=torch.int32, device=device)) for x in tables))
 
 
 class _Pieces(NamedTuple):
@@ -364,8 +306,9 @@ def _sequence_rows(device: torch.device, N: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=16)
 def units(device: torch.device, HV: int, K: int) -> torch.Tensor:
-    """I [1, HV, K, K] fp32: the start from which stage 4's transition mode gives a transition."""
-    return torch.eye(K, device=device).expand(1, HV, K, K).contiguous()
+    """I [1, HV, K, K] fp32: the start from which stage 4's transition mode gives a transition (a
+    package constant, kda_opt/launch.constant)."""
+    return launch.constant(torch.eye(K, device=device).expand(1, HV, K, K).contiguous())
 
 
 @functools.cache

@@ -16,9 +16,8 @@ whose TMA descriptor each program would write to memory); where the launcher is 
 (short_sequences), those of at most one chunk in a launch of their own, with no loop (_one_chunk). Optionally
 the state after every E chunks into a checkpoint buffer (packed, from a first checkpoint at a given
 offset: each sequence's head in a launch of its own, HEADS, then the rest, PHASED); or, in the
-transition modes, v = 0 over K state columns, so that from S0 = I the final state is the sequence's
-transition M, and no o (TRANSITION_STATE) or its o over those columns (TRANSITION_OUTPUT: per chunk the
-map from the sequence's start state to that chunk's o, kda_opt/schedules, "Parallel segments").
+transition mode, v = 0 over K state columns and no o, so that from S0 = I the final state is the
+sequence's transition M (kda_opt/schedules, "Parallel segments").
 Products take 16-bit operands with fp32 accumulation; for fp32 inputs tf32 ones (fp32 operands compile
 to products on the CUDA cores that spill kilobytes per thread; tf32 ones to tensor-core products, whose
 error against float64 stays below FLA's own in fp32: tests/test_forward.py). For bf16 inputs O's Aqk V'
@@ -52,9 +51,6 @@ BLOCK_V_CHOICES = (32, 64, 128)
 # _one_chunk (checkpoints at given offsets: _sequence, PHASED).
 EVERY_SEQUENCE, LONG_ONLY, SHORT_ONLY, HEADS, SEVERAL_ONLY = 0, 1, 2, 3, 4
 WORKER_WARPS = 8
-# The kernel's TRANSITION: none; v = 0 over K state columns and no o (the final state from I is the
-# transition M); the same with o stored over those columns, [B, T, HV, K] fp32 (O^M).
-NO_TRANSITION, TRANSITION_STATE, TRANSITION_OUTPUT = 0, 1, 2
 INT32_MAX = 2 ** 31 - 1     # the largest stride (in elements) of an array cuTile takes
 
 
@@ -66,7 +62,7 @@ def wuso_kernel(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CU, SLOTS, MASK, CK,
                 scale: float, K: ConstInt, BV: ConstInt, C: ConstInt, HAS_S0: ConstBool, STORE_SF: ConstBool,
                 SPLIT_V: ConstBool, PACKED: ConstBool, L2NORM: ConstBool, V_FIRST: ConstBool,
                 BETA_RESIDUAL: ConstBool, READ_SLOTS: ConstBool, WRITE_SLOTS: ConstBool, HAS_MASK: ConstBool,
-                STORE_CK: ConstBool, CK_EVERY: ConstInt, TRANSITION: ConstInt, PHASED: ConstBool,
+                STORE_CK: ConstBool, CK_EVERY: ConstInt, TRANSITION: ConstBool, PHASED: ConstBool,
                 ORDERED: ConstBool, SHORT: ConstInt):
     i_v, i_nh = ct.bid(0), ct.bid(1)
     H, HV = Q.shape[2], Vx.shape[2]
@@ -135,7 +131,7 @@ def _sequence(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, CK_FIRST, bos, eos
               s_in, s_out, use_s0, ck_b, ck_row, K: ConstInt, BV: ConstInt, C: ConstInt, HAS_S0: ConstBool,
               STORE_SF: ConstBool, SPLIT_V: ConstBool, PACKED: ConstBool, L2NORM: ConstBool, V_FIRST: ConstBool,
               BETA_RESIDUAL: ConstBool, S0_CHECKED: ConstBool, STORE_CK: ConstBool, CK_EVERY: ConstInt,
-              TRANSITION: ConstInt, PHASED: ConstBool):
+              TRANSITION: ConstBool, PHASED: ConstBool):
     """One program's sequence chunk after chunk (the kernel's arguments, resolved): o, checkpoints
     and the final state stored. PHASED (packed, with checkpoints): the sequence's first checkpoint
     falls after its first CK_FIRST[i_n] = f tokens (1 ≤ f ≤ E·C, E = CK_EVERY), the next ones every
@@ -217,7 +213,7 @@ def _sequence(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, CK_FIRST, bos, eos
 def _one_chunk(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, bos, n, i_h, i_hv, i_v, scale, s_in, s_out, use_s0,
                ck_row, K: ConstInt, BV: ConstInt, C: ConstInt, HAS_S0: ConstBool, STORE_SF: ConstBool,
                SPLIT_V: ConstBool, L2NORM: ConstBool, V_FIRST: ConstBool, BETA_RESIDUAL: ConstBool,
-               S0_CHECKED: ConstBool, STORE_CK: ConstBool, CK_EVERY: ConstInt, TRANSITION: ConstInt):
+               S0_CHECKED: ConstBool, STORE_CK: ConstBool, CK_EVERY: ConstInt, TRANSITION: ConstBool):
     """A packed sequence of n ≤ C tokens from row bos, its one chunk (_packed_tiles), from its
     initial state to its final state, with no loop."""
     dt = ct.tfloat32 if Q.dtype == F32 else Q.dtype                           # products' operands
@@ -233,7 +229,7 @@ def _one_chunk(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, bos, n, i_h, i_hv
         S = _initial_state(S0, s_in, use_s0, i_hv, i_v, K, BV, V_FIRST, S0_CHECKED)
     o, v_new, k_dec_t, decay = _products(S, q, k, g, v, tm, aqk, g_last, RSTD, RB, (0, i_h, 0), (0, i_hv, 0),
                                          tok, valid, scale, dt, C, L2NORM, BETA_RESIDUAL, SPLIT_V, True)
-    if TRANSITION != TRANSITION_STATE:
+    if not TRANSITION:
         _store_rows(O, o, tok, valid, i_hv, i_v * BV, BV)
     # With n = 0: Γ_last = 0 and k, V' zero, so S stays S0 exactly.
     S = ct.mma(k_dec_t.astype(dt), v_new, S * decay)                            # [K, BV]
@@ -247,7 +243,7 @@ def _one_chunk(Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, SF, CK, bos, n, i_h, i_hv
 
 @ct.function
 def _packed_tiles(Q, Kx, Vx, G, TM, AQK, row0, n, i_h, i_hv, i_v, K: ConstInt, BV: ConstInt, C: ConstInt,
-                  TRANSITION: ConstInt):
+                  TRANSITION: ConstBool):
     """A packed sequence's chunk, rows row0 .. row0 + C − 1 of the whole [1, T, ...] arrays, of which the
     first n are its own: q, k, Γ [C, K], v [C, BV] (zeros with TRANSITION), Tm, Aqk [C, C] (_slice);
     and their token rows tok [C, 1] int64, valid [C, 1]. The rows past n are the next sequences':
@@ -263,7 +259,7 @@ def _packed_tiles(Q, Kx, Vx, G, TM, AQK, row0, n, i_h, i_hv, i_v, K: ConstInt, B
     q = _slice(Q, row0, i_h, 0, C, K)
     k = _slice(Kx, row0, i_h, 0, C, K)
     g = ct.where(valid, _slice(G, row0, i_hv, 0, C, K), 0.0)
-    if TRANSITION != NO_TRANSITION:
+    if TRANSITION:
         v = ct.zeros((C, BV), dtype=F32)
     else:
         v = ct.where(valid, _slice(Vx, row0, i_hv, i_v * BV, C, BV), 0)
@@ -313,11 +309,11 @@ def _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, bos, i_h, i_
            use_s0, ck_b, ck_row, ck_shift, K: ConstInt, BV: ConstInt, C: ConstInt, HAS_S0: ConstBool,
            SPLIT_V: ConstBool, PACKED: ConstBool, L2NORM: ConstBool, V_FIRST: ConstBool, BETA_RESIDUAL: ConstBool,
            S0_CHECKED: ConstBool, CK_EARLY: ConstBool, CK_LATE: ConstBool, CK_EVERY: ConstInt,
-           TRANSITION: ConstInt):
+           TRANSITION: ConstBool):
     """Chunk i_t of one program's sequence of T tokens from row bos of entry i_b (the kernel's loop
     body): S after it, o stored; with CK_EARLY the state entering it, with CK_LATE the state after it,
     stored as a checkpoint where one falls. PACKED: rows read and o stored as _packed_tiles says.
-    TRANSITION: v taken as zero, o stored only with TRANSITION_OUTPUT (module docstring)."""
+    TRANSITION: v taken as zero and no o (the columns of S are the transition's, module docstring)."""
     dt = ct.tfloat32 if Q.dtype == F32 else Q.dtype                           # products' operands
     if HAS_S0:
         if i_t == 0:
@@ -331,7 +327,7 @@ def _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, bos, i_h, i_
         g_last = ct.load(G, index=(i_b, last, i_hv, 0), shape=(1, 1, 1, K)).reshape((1, K))
         o, v_new, k_dec_t, decay = _products(S, q, k, g, v, tm, aqk, g_last, RSTD, RB, (i_b, i_h, 0), (i_b, i_hv, 0),
                                              tok, valid, scale, dt, C, L2NORM, BETA_RESIDUAL, SPLIT_V, True)
-        if TRANSITION != TRANSITION_STATE:
+        if not TRANSITION:
             _store_rows(O, o, tok, valid, i_hv, i_v * BV, BV)
     else:
         # Rows past T (tail chunk) load as zeros, so they add nothing; the O store drops them.
@@ -342,7 +338,7 @@ def _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, bos, i_h, i_
         q = _chunk_tile(Q, i_b, i_t, i_h, 0, C, K, tma)
         k = _chunk_tile(Kx, i_b, i_t, i_h, 0, C, K, tma)
         g = _chunk_tile(G, i_b, i_t, i_hv, 0, C, K, tma)
-        if TRANSITION != NO_TRANSITION:
+        if TRANSITION:
             v = ct.zeros((C, BV), dtype=F32)
         else:
             v = _chunk_tile(Vx, i_b, i_t, i_hv, i_v, C, BV, True)
@@ -352,7 +348,7 @@ def _chunk(S, i_t, Q, Kx, Vx, G, TM, AQK, RB, RSTD, S0, O, CK, i_b, bos, i_h, i_
         o, v_new, k_dec_t, decay = _products(S, q, k, g, v, tm, aqk, g_last, RSTD, RB, (i_b, i_h, i_t),
                                              (i_b, i_hv, i_t), None, None, scale, dt, C, L2NORM, BETA_RESIDUAL,
                                              SPLIT_V, False)
-        if TRANSITION != TRANSITION_STATE:
+        if not TRANSITION:
             ct.store(O, index=(i_b, i_t, i_hv, i_v), tile=o.astype(O.dtype).reshape((1, C, 1, BV)))
     if CK_EARLY:
         _checkpoint(CK, S, ck_b, _checkpoint_row(i_t + ck_shift, chunks + ck_shift, ck_row, CK.shape[1], CK_EVERY),
@@ -494,7 +490,7 @@ def _kernel(worker_warps: int):
 def launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, final_state, cu_seqlens=None,
                   qk_rstd=None, state_v_first=False, beta_residual=None, slots=None, read_slots=False,
                   write_slots=False, has_initial_state=None, checkpoints=None, checkpoint_rows=None,
-                  checkpoint_every=1, transition=NO_TRANSITION, sequences=EVERY_SEQUENCE, checkpoint_first=None,
+                  checkpoint_every=1, transition=False, sequences=EVERY_SEQUENCE, checkpoint_first=None,
                   order=None):
     """(grid, kernel arguments) of one launch: the one place both the launcher and the export test
     (tests/test_wuso.py, on meta tensors) take the kernel's specialisation from. sequences: which
@@ -530,7 +526,7 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
          slots=None, read_slots: bool = False, write_slots: bool = False, has_initial_state=None, checkpoints=None,
          checkpoint_rows=None, checkpoint_every: int = 1, checkpoint_first=None, cu_seqlens=None, qk_rstd=None,
          state_v_first: bool = False,
-         beta_residual=None, transition: int = NO_TRANSITION, short_sequences: bool = False, decoded: bool = False,
+         beta_residual=None, transition: bool = False, short_sequences: bool = False, decoded: bool = False,
          order=None, sequence_counts=None, out=None, worker_warps: int = WORKER_WARPS):
     """Stage 4 on the current stream: o [B, T, HV, V] (v's dtype), returned; the final states written
     into final_state. Inputs as in the module docstring, validated by kda_opt/plan (q, k, v may be
@@ -550,12 +546,10 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
     of their own, as stages 1–3 must have cut them (_sequence); checkpoint_rows then counts
     1 + cdiv(max(len_m − f_m, 0), 64·E) rows per non-empty sequence. block_v: V columns per
     program (block_v_for's choice, made by kda_opt/plan). qk_rstd: stage 2's [2, B, H, T] fp32 norms
-    (l2norm). beta_residual: stage 2's r [B, HV, T] fp32 (module docstring). transition
-    (TRANSITION_STATE, TRANSITION_OUTPUT): v taken as zero over K state columns: from initial states
-    I [N, HV, K, K] the final states are each sequence's transition M, S_out = M S_in + (its final
-    state from zero), which kda_opt/schedules' parallel segments merge; with TRANSITION_STATE no o
-    (returns None), with TRANSITION_OUTPUT o over those columns into `out` ([B, T, HV, K] fp32,
-    returned): chunk c's rows of it times S_in are what S_in adds to that chunk's o. out: o's storage, a
+    (l2norm). beta_residual: stage 2's r [B, HV, T] fp32 (module docstring). transition: v taken as
+    zero over K state columns, no o (returns None): from initial states I [N, HV, K, K] the final
+    states are each sequence's transition M, S_out = M S_in + (its final state from zero), which
+    kda_opt/schedules' parallel segments merge. out: o's storage, a
     [B, T, HV, V] tensor of v's dtype whose rows are contiguous (a slice along T of a B = 1 tensor,
     kda_opt/schedules' time segments), or None for a new one. short_sequences (packed): two launches, the
     sequences longer than a chunk and those of at most one chunk (_one_chunk), each skipping the
@@ -567,10 +561,7 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
     the long sequences (the first `long` of the order); None: both launches over every sequence.
     worker_warps: the kernel's worker warps. A written pool or checkpoint buffer of one row is
     written through a two-row copy (_two_rows)."""
-    if transition == TRANSITION_OUTPUT:
-        o = out
-    else:           # (TRANSITION_STATE: v stands in for o, never written)
-        o = v if transition else torch.empty_like(v) if out is None else out
+    o = v if transition else torch.empty_like(v) if out is None else out      # (transition: never written)
     pool = _two_rows(final_state, 0) if write_slots else final_state
     rows = _two_rows(checkpoints, 1)
     common = (q, k, v, gcum, Tm, Aqk, scale, block_v)
@@ -581,9 +572,9 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
                             dtype=torch.float32)
         grid, first = launch_config(*common, initial_state, o, heads, cu_seqlens, qk_rstd, state_v_first,
                                     beta_residual, slots, read_slots, False, has_initial_state, rows, checkpoint_rows,
-                                    checkpoint_every, NO_TRANSITION, HEADS, checkpoint_first)
+                                    checkpoint_every, False, HEADS, checkpoint_first)
         _, rest = launch_config(*common, heads, o, pool, cu_seqlens, qk_rstd, state_v_first, beta_residual, slots,
-                                False, write_slots, None, rows, checkpoint_rows, checkpoint_every, NO_TRANSITION,
+                                False, write_slots, None, rows, checkpoint_rows, checkpoint_every, False,
                                 EVERY_SEQUENCE, checkpoint_first, order)
         launches = ((grid, first), (grid, rest))
     else:
@@ -604,7 +595,7 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
         cutile_launch(grid, _kernel(worker_warps), args)
     _copy_back(final_state, pool, 0)
     _copy_back(checkpoints, rows, 1)
-    return None if transition == TRANSITION_STATE else o
+    return None if transition else o
 
 
 def _two_rows(buffer, dim: int):

@@ -1,8 +1,7 @@
 """Each stage of kda_forward alone, timed with do_bench at one shape, beside its bytes floor.
 
     python scripts/bench_stages.py [scripts/test.py shape options] [--intra-warps 2,4]
-                                   [--block-v 32,64,128] [--worker-warps 4,8] [--parallel-tokens N]
-                                   [--parallel-passes 2] [--once]
+                                   [--block-v 32,64,128] [--worker-warps 4,8] [--parallel-tokens N] [--once]
 The stages are recorded from one real kda_forward on random inputs (Case.inputs, as the benchmark's),
 so each runs with exactly the arguments kda_forward gives it, in any configuration (--varlen,
 --config ...). A stage's floor is the bytes of its inputs and outputs over the copy bandwidth measured
@@ -12,8 +11,7 @@ are the plan's own choices (kda_opt/plan). Where kda_forward cuts the sequence i
 runs all its segments' launches one after another (without the overlap kda_forward gets); in parallel
 segments stage 4's row runs its three passes, and the whole call's row adds the merge between them.
 --parallel-tokens N plans parallel segments of at least N tokens wherever the call has one sequence
-(Tuning(parallel=True, parallel_tokens=N); --parallel-passes 2: in two passes and a correction), and the
-last row times the whole call under that plan.
+(Tuning(parallel=True, parallel_tokens=N)), and the last row times the whole call under that plan.
 """
 import argparse
 import itertools
@@ -82,12 +80,9 @@ def stage_rows(stages, intra_warps, block_v, worker_warps):
     return rows
 
 
-def tuning_for(parallel_tokens: int | None, passes: int = 3) -> Tuning:
-    """The plan's knobs: kda_forward's own, or parallel segments of at least `parallel_tokens` tokens
-    in `passes` stage-4 passes (3, or 2 and a correction)."""
-    if parallel_tokens is None:
-        return Tuning()
-    return Tuning(parallel=True, parallel_tokens=parallel_tokens, parallel_passes=passes)
+def tuning_for(parallel_tokens: int | None) -> Tuning:
+    """The plan's knobs: kda_forward's own, or parallel segments of at least `parallel_tokens` tokens."""
+    return Tuning() if parallel_tokens is None else Tuning(parallel=True, parallel_tokens=parallel_tokens)
 
 
 def main():
@@ -97,14 +92,12 @@ def main():
     p.add_argument("--worker-warps", type=ints, default=[None], help="stage 4 worker warps to time, e.g. 4,8")
     p.add_argument("--parallel-tokens", type=int, default=None,
                    help="plan parallel segments of at least this many tokens (one sequence), e.g. 768")
-    p.add_argument("--parallel-passes", type=int, choices=[2, 3], default=3,
-                   help="with --parallel-tokens: 3 stage-4 passes, or 2 and a correction")
     p.add_argument("--once", action="store_true", help="run each stage once, untimed (for ncu)")
     own, rest = p.parse_known_args()
     c = case_from_args(bench_args(rest))
     a = c.inputs()
     bw, _ = measure_ceilings()
-    plan = make_plan(**a, tuning=tuning_for(own.parallel_tokens, own.parallel_passes))
+    plan = make_plan(**a, tuning=tuning_for(own.parallel_tokens))
     tensors = {n: a.get(n) for n in RUN_TENSORS}
     stages = record_stages(lambda launch: run_plan(plan, **tensors, launch=launch))
 
@@ -112,8 +105,7 @@ def main():
     if own.parallel_tokens is None:
         rows.append(("kda_forward", lambda: kda_forward(**a), 0))
     else:
-        rows.append((f"{len(plan.segments)} {'parallel' if plan.parallel else 'time'} segments, "
-                     f"{plan.parallel_passes} passes",
+        rows.append((f"{len(plan.segments)} {'parallel' if plan.parallel else 'time'} segments",
                      lambda: run_plan(plan, **tensors), 0))
 
     print(f"# {torch.cuda.get_device_name()}, {c.label}; copy bandwidth {bw / 1e12:.2f} TB/s")

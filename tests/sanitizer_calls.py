@@ -20,14 +20,12 @@ from kda_bench.inputs import random_inputs
 from kda_opt import kda_decode, kda_forward
 from kda_opt.forward import Prepared
 from kda_opt.plan import DECODE_PROGRAMS, Tuning
-from kda_opt.wuso import TRANSITION_STATE
 from tests.test_forward import run_tuned
 
 H, K = 2, 128
 MIXED = [1, 63, 64, 65, 7, 130, 0, 200]      # short and long packed sequences, an empty one
 TIME_SEGMENTS = Tuning(segment_tokens=128)
 PARALLEL = Tuning(parallel=True, parallel_tokens=128)
-TWO_PASSES = Tuning(parallel=True, parallel_tokens=128, parallel_passes=2)
 ON_STAGE4 = Tuning(route_decodes=False)
 ORDERED = [1, 300, 5, 64, 65, 0, 130, 1, 200, 17] * 10   # 200 stage-4 programs at H = 2: longest first
 SMS = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
@@ -92,8 +90,6 @@ CALLS = {
     "parallel segments": lambda: run_tuned(random_inputs(1, 1000, H, K, initial_state=True, state_v_first=True),
                                        PARALLEL),
     "parallel segments, packed": lambda: run_tuned(pool_call([700, 30, 0, 900, 5], [3, 0, -1, 1, 2], 4), PARALLEL),
-    "parallel segments in two passes and a correction": lambda: run_tuned(random_inputs(
-        1, 1000, H, K, initial_state=True, state_v_first=True), TWO_PASSES),
     "context-parallel transition": lambda: (Prepared(**{n: x for n, x in random_inputs(
         1, 395, H, K, seqlens=[130, 65, 200]).items() if n != "output_final_state"}).transition(),),
     "fp16": lambda: kda_forward(**random_inputs(1, 200, H, K, dtype=torch.float16, initial_state=True)),
@@ -152,8 +148,8 @@ def zero_stage4_buffers():
     def zeroed(*args, **kwargs):
         given = inspect.signature(config).bind(*args, **kwargs).arguments
         source = given["initial_state"]
-        for name in ("final_state", "checkpoints") + (() if given.get("transition") == TRANSITION_STATE else ("o",)):
-            x = given.get(name)                 # (TRANSITION_STATE: o is v, not written)
+        for name in ("final_state", "checkpoints") + (() if given.get("transition") else ("o",)):
+            x = given.get(name)                 # (transition: o is v, not written)
             if x is not None and (source is None or x.untyped_storage().data_ptr()
                                   != source.untyped_storage().data_ptr()):
                 x.zero_()

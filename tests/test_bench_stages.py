@@ -19,7 +19,6 @@ def test_parallel_tokens_plan_parallel_segments():
     """--parallel-tokens N: the plan's own knobs but parallel segments of at least N tokens."""
     assert bs.tuning_for(None) == bs.Tuning()
     assert bs.tuning_for(768) == bs.Tuning(parallel=True, parallel_tokens=768)
-    assert bs.tuning_for(768, 2) == bs.Tuning(parallel=True, parallel_tokens=768, parallel_passes=2)
 
 
 def test_record_stages_keeps_each_launch():

@@ -79,7 +79,26 @@ def test_bound_keeps_no_tensor_of_the_recorded_call(stand_ins):
     assert all(ref() is None for ref in kept) and replay is not None
 
 
+def test_a_copy_between_the_calls_tensors_is_replayed_in_its_place(stand_ins):
+    """A copy from one of the call's tensors into another (a parallel call's final state out of its
+    segments' buffer) is recorded among the launches and replayed on the new tensors."""
+    compiled, tiles = stand_ins
+
+    def call(a, b):
+        o, _ = a_call(compiled, a, b)
+        o.view(-1)[:3].copy_(a)
+        return o, None
+    a, b = torch.randn(3), torch.randn(2, 2)
+    (o, _), recording = bound.record(lambda: call(a, b), (a, b))
+    assert [kind for kind, *_ in recording.launches] == ["triton", "cutile", "copy"]
+    a2 = torch.randn(3)
+    o2, _ = recording.bound((o, None))((a2, torch.randn(2, 2)))
+    assert torch.equal(o2.view(-1)[:3], a2)
+
+
 UNBOUND = {
+    "a copy from outside": (lambda c, a, b: (r := a_call(c, a, b), r[0].view(-1)[:2].copy_(OUTSIDE))[0],
+                            "neither an input"),
     "a torch operation": (lambda c, a, b: (a_call(c, a, b), b.add_(1)), "aten.add_"),
     "a copy by contiguous": (lambda c, a, b: a_call(c, a, b.t().contiguous()), "clone|contiguous"),
     "a tensor from outside": (lambda c, a, b: a_call(c, a, b, extra=OUTSIDE), "neither an input"),
@@ -123,19 +142,21 @@ def test_call_records_the_second_run_and_replays_later_ones(monkeypatch):
     assert bound.call(entry, (x,), run) == "ran"
     monkeypatch.setenv(launch.NVTX_VARIABLE, "0")
     plain = types.SimpleNamespace(bound=None, unbound=None, runs=0)
-    assert [bound.call(plain, (x,), run, "it runs in segments") for _ in range(3)] == ["ran"] * 3
-    assert plain.unbound == "it runs in segments" and len(recorded) == 1
+    assert [bound.call(plain, (x,), run, "it runs in time segments") for _ in range(3)] == ["ran"] * 3
+    assert plain.unbound == "it runs in time segments" and len(recorded) == 1
 
 
 def test_plans_that_launch_by_more_than_their_signature_are_unbindable():
-    """Plan.unbindable: segments (time or parallel) and launches sized from cu_seqlens_cpu's lengths
-    (sized launches, parallel cuts) give a reason; a one-pass plan none."""
+    """Plan.unbindable: time segments (two streams) and launches sized from cu_seqlens_cpu's lengths
+    (sized launches, parallel cuts) give a reason; a one-pass plan none, nor parallel segments (their
+    launches follow the plan; what they run besides is the recording's to judge)."""
     from kda_opt.plan import Plan
     plan = lambda **over: types.SimpleNamespace(**{**dict(parallel=False, segments=((0, 64),), parallel_cut=None,
                                                             sized_launches=False), **over})
     reason = Plan.unbindable.fget
     assert reason(plan()) is None
-    assert reason(plan(segments=((0, 64), (64, 128)))) == reason(plan(parallel=True)) == "it runs in segments"
+    assert reason(plan(segments=((0, 64), (64, 128)))) == "it runs in time segments"
+    assert reason(plan(parallel=True, segments=((0, 64), (64, 128), (128, 192)))) is None
     assert "cu_seqlens_cpu" in reason(plan(sized_launches=True)) and "cu_seqlens_cpu" in reason(plan(parallel_cut=1))
 
 
@@ -163,6 +184,8 @@ def _calls():
                                                  has=[True, True, False, True, True, True, False, True])),
         "checkpoints": lambda: no_host_copy(checkpointed(MIXED, 128, state_v_first=True)),
         "fp32": lambda: random_inputs(1, 200, H, K, dtype=torch.float32, initial_state=True),
+        "parallel segments, FlashKDA's call": lambda: random_inputs(1, 8192, H, K, initial_state=True, l2norm=True,
+                                                                    beta_logits=True, state_v_first=True),
     }, {
         "decode, dense states": lambda: {**decode_call([1, 3, 0, 2], None, 0),
                                          "initial_state": torch.randn(4, H, K, K, device="cuda"),
@@ -172,7 +195,8 @@ def _calls():
 
 
 CALL_NAMES = ["dense", "FlashKDA's call", "softplus, bf16 gate parameters", "packed, one-token sequences routed",
-              "a pool", "checkpoints", "fp32", "decode, dense states", "decode, a pool in place"]
+              "a pool", "checkpoints", "fp32", "parallel segments, FlashKDA's call", "decode, dense states",
+              "decode, a pool in place"]
 
 
 @gpu

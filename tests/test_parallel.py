@@ -1,15 +1,15 @@
 """Parallel segments on one GPU (kda_opt/forward, "Parallel segments"): a lone sequence cut into
 segments that run at once, their starts merged from each one's transition, against one pass and the
-float64 recurrence; with a state pool, has_initial_state and checkpoints. GPU (the correction kernel
-also on the CPU, under the interpreter); the choice of segments is in tests/test_plan.py."""
+float64 recurrence; with a state pool, has_initial_state and checkpoints. GPU; the choice of
+segments is in tests/test_plan.py."""
 import pytest
 import torch
 
 from kda_bench.inputs import random_inputs
-from kda_opt import kda_forward
+from kda_opt import kda_forward, schedules
 from kda_opt.plan import Tuning, cut_sequences, make_plan
 from kda_opt.reference import ERROR_FLOOR, reference_forward
-from tests.conftest import gpu, kernel_device, rel_err
+from tests.conftest import gpu, rel_err
 from tests.test_forward import run_tuned
 
 PARALLEL = Tuning(parallel=True, parallel_tokens=128)
@@ -32,11 +32,11 @@ CALLS = {
 }
 
 
-def assert_parallel_equals_one_pass(args, tuning=PARALLEL):
-    """The call in parallel segments (PARALLEL, or `tuning`): o and the final states within one pass's
-    error against the float64 recurrence, and close to kda_forward's own numbers (one pass there)."""
+def assert_parallel_equals_one_pass(args):
+    """The call in parallel segments (PARALLEL): o and the final states within one pass's error
+    against the float64 recurrence, and close to kda_forward's own numbers (one pass there)."""
     o, s = kda_forward(**args)
-    o_par, s_par = run_tuned(args, tuning)
+    o_par, s_par = run_tuned(args, PARALLEL)
     ref_o, ref_s = reference_forward(**args, method="chunked")
     assert rel_err(o_par, ref_o) <= ERROR_FLOOR and rel_err(s_par, ref_s) <= ERROR_FLOOR
     assert rel_err(o_par, o) <= ERROR_FLOOR and rel_err(s_par, s) <= ERROR_FLOOR
@@ -53,38 +53,12 @@ def test_parallel_segments_equal_one_pass(call):
     assert_parallel_equals_one_pass(args)
 
 
-@pytest.mark.parametrize("v_first", [False, True])
-def test_correction_adds_each_chunks_map_of_its_segments_start(v_first):
-    """schedules.correct: each chunk of a segment j ≥ 1 gets O^M_c ends[j − 1] added to its o rows (a
-    tail chunk's rows past T untouched), segment 0's chunks nothing; the chunks' segments from
-    _chunk_segments."""
-    from kda_opt.schedules import _chunk_segments, correct
-    device = kernel_device()
-    segments = ((0, 192), (192, 384), (384, 500))
-    segment_of = _chunk_segments(torch.device(device), segments)
-    assert segment_of.tolist() == [0, 0, 0, 1, 1, 1, 2, 2]
-    gen = torch.Generator().manual_seed(3)
-    HV, K, V = 2, 64, 128
-    o = torch.randn(1, 500, HV, V, generator=gen).to(device)
-    o_m = torch.randn(1, 500, HV, K, generator=gen).to(device)
-    ends = torch.randn(3, HV, K, V, generator=gen).to(device)
-    expected = o.double().clone()
-    for j, (t0, t1) in enumerate(segments[1:], start=1):
-        expected[0, t0:t1] += torch.einsum("thk,hkv->thv", o_m[0, t0:t1].double(), ends[j - 1].double())
-    correct(o, o_m, ends.transpose(-1, -2).contiguous() if v_first else ends, segment_of, v_first)
-    assert rel_err(o, expected) < 2e-3          # tf32 products on a GPU; fp32 under the interpreter
-    assert torch.equal(o[0, :192], expected[0, :192].float())
-
-
+MERGE_LAUNCH = dict(num_warps=schedules.MERGE_WARPS, num_stages=schedules.MERGE_STAGES)
 SM90_SPECIALISATIONS = {
-    "merge, K-first": ("merge_kernel", dict(h="*fp32", M="*fp32", out="*fp32", n="i32"),
-                       dict(K=128, V=128, BV=16, CHAINS=16, V_FIRST=False), dict(num_warps=4, num_stages=1)),
-    "merge, V-first": ("merge_kernel", dict(h="*fp32", M="*fp32", out="*fp32", n="i32"),
-                       dict(K=128, V=64, BV=16, CHAINS=16, V_FIRST=True), dict(num_warps=4, num_stages=1)),
-    "correction, bf16": ("correct_kernel", dict(o="*bf16", o_m="*bf16", ends="*fp32", segment_of="*i32", T="i32"),
-                         dict(HV=12, K=128, V=128, BV=64, C=64, V_FIRST=True), dict(num_warps=4)),
-    "correction, fp32": ("correct_kernel", dict(o="*fp32", o_m="*fp32", ends="*fp32", segment_of="*i32", T="i32"),
-                         dict(HV=12, K=128, V=64, BV=64, C=64, V_FIRST=False), dict(num_warps=4)),
+    f"merge, K={K}, V={V}, {'V' if v_first else 'K'}-first": (
+        "merge_kernel", dict(h="*fp32", M="*fp32", out="*fp32", n="i32"),
+        dict(K=K, V=V, BV=schedules.MERGE_BLOCK_V, CHAINS=16, V_FIRST=v_first), MERGE_LAUNCH)
+    for K, V, v_first in ((128, 128, False), (128, 128, True), (128, 64, True), (64, 128, False))
 }
 
 
@@ -104,10 +78,9 @@ sys.stdout.buffer.write(triton.compile(source, target=GPUTarget("cuda", 90, 32),
 
 
 @pytest.mark.parametrize("name", list(SM90_SPECIALISATIONS))
-def test_merge_and_correction_compile_for_sm90_without_spills(name):
-    """The merge and correction kernels as launched, compiled for sm_90 here (Triton's own ptxas; no
-    GPU needed): no stack frame (the merge's "ieee" products, or its whole [K, K] tiles, spilled
-    kilobytes a thread)."""
+def test_merge_compiles_for_sm90_without_spills(name):
+    """The merge kernel as launched, compiled for sm_90 here (Triton's own ptxas; no GPU needed): no
+    stack frame (its "ieee" products, or its whole [K, K] tiles, spilled kilobytes a thread)."""
     import json
     import os
     import subprocess
@@ -120,19 +93,6 @@ def test_merge_and_correction_compile_for_sm90_without_spills(name):
                            capture_output=True, check=True).stdout
     registers, stack = resources(cubin)
     assert stack == 0 and registers <= 255, (registers, stack)
-
-
-@gpu
-@pytest.mark.parametrize("call", list(CALLS))
-def test_two_passes_and_a_correction_equal_one_pass(call):
-    """Tuning(parallel_passes=2): every segment from zero in one pass (the first from the call's
-    state), the transitions with their o in a second, each chunk's o corrected by its segment's
-    start (schedules.parallel_corrected): o and the final state within one pass's error."""
-    args = slow(random_inputs(1, 1000, 2, 128, seed=51, **CALLS[call]))
-    tuning = Tuning(parallel=True, parallel_tokens=128, parallel_passes=2)
-    plan = make_plan(**args, tuning=tuning)
-    assert plan.parallel and plan.parallel_passes == 2 and len(plan.segments) > 2
-    assert_parallel_equals_one_pass(args, tuning)
 
 
 @gpu

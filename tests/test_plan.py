@@ -2,6 +2,7 @@
 option checks precede the device check), the launch decisions as pure functions (CPU), and on the GPU
 what make_plan resolves for the calls users make."""
 import inspect
+import itertools
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from kda_opt import kda_forward
 from kda_opt.schedules import piece_tables
 from kda_opt.seqs import RANK_MAX
 from kda_opt.intra import FP32_WARPS, NUM_WARPS
-from kda_opt.plan import (ParallelCut, Tuning, cut_sequences, make_plan, parallel_segments,
+from kda_opt.plan import (ParallelCut, Tuning, _parallel_pays, cut_sequences, make_plan, parallel_segments,
                           time_segments)
 from tests.conftest import gpu
 
@@ -378,6 +379,17 @@ def test_parallel_segments():
         assert all(a1 == b0 and b0 % 64 == 0 for (a0, b0), (a1, _) in zip(segs, segs[1:]))
 
 
+def test_parallel_segments_pay_at_tensor_parallel_shards():
+    """The plan's default (Tuning(parallel=None)) takes parallel segments for a lone sequence of 8192
+    tokens or more at 8–24 heads of 128 (a Kimi-class model's heads over 4–8 GPUs), and at fewer
+    heads; not at 32 heads, nor below 8192 tokens; at V = 64, twice the heads."""
+    for T, HV in itertools.product((8192, 32768, 131072), (1, 8, 12, 16, 24)):
+        assert _parallel_pays(T, HV, 128)
+    assert _parallel_pays(8192, 48, 64)
+    assert not _parallel_pays(32768, 32, 128) and not _parallel_pays(8192, 96, 128)
+    assert not _parallel_pays(8128, 12, 128) and not _parallel_pays(4096, 8, 128)
+
+
 def test_cut_sequences():
     """Packed sequences cut on a call (kda_opt/plan.cut_sequences): those longer than the longest's
     parallel segment into segments of its length, the others whole, every sequence's rows in order;
@@ -487,29 +499,16 @@ def test_plan_time_segments_and_block_v():
     assert len(plan.segments) == 8 and not plan.parallel
     # By default its segments run at once there (parallel segments: one wave at the widest block).
     plan = make_plan(**args)
-    assert plan.parallel and plan.block_v == 128 and plan.segments == parallel_segments(65536, 1, 16, sms, False, 2048)
+    assert plan.parallel and plan.block_v == 128 and plan.segments == parallel_segments(65536, 1, 16, sms, False,
+                                                                                          Tuning().parallel_tokens)
+    # And at a tensor-parallel shard: a wave of SMs / heads + 1 segments.
+    shard = make_plan(**random_inputs(1, 8192, 12, 128))
+    assert shard.parallel and len(shard.segments) == min(sms // 12 + 1, 8192 // Tuning().parallel_tokens)
     packed = make_plan(**random_inputs(1, 65536, 16, 128, seqlens=[30000, 35536]))
     assert packed.packed and packed.N == 2 and packed.segments == ((0, 65536),)
     tuned = make_plan(**random_inputs(1, 1000, 2, 128), tuning=Tuning(segment_tokens=128, block_v=64,
                                                                        intra_warps=2, worker_warps=4))
     assert tuned.block_v == 64 and len(tuned.segments) == 6 and (tuned.intra_warps, tuned.worker_warps) == (2, 4)
-
-
-@gpu
-def test_plan_two_parallel_passes():
-    """Tuning(parallel_passes=2): parallel segments in two passes where the call has no pool and no
-    checkpoints, then one segment per HV programs of one wave (the first pass runs them all);
-    three passes otherwise."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    args = random_inputs(1, 8192, 12, 128, initial_state=True, l2norm=True, beta_logits=True, state_v_first=True)
-    tuning = Tuning(parallel=True, parallel_tokens=512, parallel_passes=2)
-    plan = make_plan(**args, tuning=tuning)
-    assert plan.parallel_passes == 2 and len(plan.segments) == min(sms // 12, 8192 // 512) and plan.block_v == 128
-    assert make_plan(**args, tuning=Tuning(parallel=True, parallel_tokens=512)).parallel_passes == 3
-    pool = {**args, "initial_state_indices": torch.tensor([0], device="cuda"), "output_final_state": False}
-    assert make_plan(**pool, tuning=tuning).parallel_passes == 3
-    every = {**args, "checkpoints": torch.zeros(1, 128, 12, 128, 128, device="cuda")}
-    assert make_plan(**every, tuning=tuning).parallel_passes == 3
 
 
 def test_nvtx_ranges_only_when_asked(monkeypatch):

@@ -13,8 +13,8 @@ import torch
 import cuda.tile as ct
 from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint, export_kernel
 from kda_opt import reference as ref
-from kda_opt.wuso import (EVERY_SEQUENCE, HEADS, LONG_ONLY, NO_TRANSITION, SEVERAL_ONLY, SHORT_ONLY, TRANSITION_OUTPUT,
-                          TRANSITION_STATE, block_v_for, launch_config, wuso, wuso_kernel)
+from kda_opt.wuso import (EVERY_SEQUENCE, HEADS, LONG_ONLY, SEVERAL_ONLY, SHORT_ONLY, block_v_for, launch_config,
+                          wuso, wuso_kernel)
 from tests.conftest import gpu, rel_err
 from tests.stage_inputs import qk_rstd, stage_inputs
 
@@ -47,8 +47,7 @@ def constraint(arg):
 
 def cubin(dtype, K, has_state, store_state, block_v=None, B=1, T=8192, H=96, seqs=None, l2norm=False,
           state_v_first=False, state_dtype=torch.float32, beta_residual=False, pool=None, checkpoints=None,
-          checkpoint_every=1, transition=NO_TRANSITION, sequences=0, checkpoint_first=False, ordered=False,
-          o_dtype=None):
+          checkpoint_every=1, transition=False, sequences=0, checkpoint_first=False, ordered=False):
     """The launcher's specialisation (launch_config on meta tensors of the default shape),
     compiled for sm_90; block_v None takes the launcher's choice on an H100. seqs: (N, cu_seqlens
     dtype) packs N sequences into the one batch entry (B = 1). l2norm: with stage 2's norms
@@ -56,11 +55,9 @@ def cubin(dtype, K, has_state, store_state, block_v=None, B=1, T=8192, H=96, seq
     pool: (slots, slot index dtype, has_initial_state given): both states one pool of state_dtype,
     rows padded, read and written at each sequence's slot. checkpoints: the dtype of a checkpoint
     buffer [B, NT, H, K, V] (packed: with its rows' offsets), written every checkpoint_every chunks.
-    ordered (packed): the programs in the order of a [N] int32 permutation (kda_opt/seqs.longest_first).
-    o_dtype: o's (None: dtype's; at K = V, also the transition's o over K columns)."""
+    ordered (packed): the programs in the order of a [N] int32 permutation (kda_opt/seqs.longest_first)."""
     meta = lambda *shape, dt=dtype: torch.empty(*shape, dtype=dt, device="meta")
-    q, k, v = (meta(B, T, H, K) for _ in range(3))
-    o = meta(B, T, H, K, dt=o_dtype or dtype)
+    q, k, v, o = (meta(B, T, H, K) for _ in range(4))
     cu_seqlens = None if seqs is None else meta(seqs[0] + 1, dt=seqs[1])
     N = B if seqs is None else seqs[0]
     gcum = meta(B, T, H, K, dt=torch.float32)
@@ -264,8 +261,7 @@ STACK_JITTER = 8
     dict(sequences=EVERY_SEQUENCE), dict(sequences=LONG_ONLY, l2norm=True, beta_residual=True, state_v_first=True),
     dict(sequences=LONG_ONLY, ordered=True, pool=(300, torch.int32, False)), dict(sequences=SHORT_ONLY), dict(sequences=HEADS, checkpoints=torch.float32, checkpoint_first=True),
     dict(sequences=EVERY_SEQUENCE, checkpoints=torch.float32, checkpoint_every=8, checkpoint_first=True),
-    dict(transition=TRANSITION_STATE, block_v=128), dict(transition=TRANSITION_OUTPUT, block_v=128),
-    dict(transition=TRANSITION_OUTPUT, block_v=64, o_dtype=torch.float32)])
+    dict(transition=True, block_v=128)])
 def test_packed_sequences_write_no_descriptor(call):
     """No launch over packed sequences writes a TMA descriptor in the kernel (a view of a sequence's
     rows has each program write one per array, with atomic stores into a workspace the driver holds,
