@@ -71,11 +71,12 @@ class Tuning:
 class ParallelCut:
     """Packed sequences with their host copy (cu_seqlens_cpu): each call cuts those longer than its
     longest one's parallel segment into such segments (cut_sequences), where the longest has at least
-    `longest` tokens."""
+    `longest` tokens and at least `share` of the call's."""
     sms: int
     min_tokens: int                 # Tuning.parallel_tokens
     align: int                      # segments are whole multiples of it (chunks, or checkpoint intervals)
     longest: int
+    share: float
     block_v: int | None             # Tuning.block_v; None: block_v_for's choice for the call's segments
 
 
@@ -176,8 +177,8 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     cut = None
     if packed and cu_seqlens_cpu is not None and checkpoint_offsets is None and (
             tuning.parallel or tuning.parallel is None and _parallel_pays(T, HV, V)):
-        cut = ParallelCut(sms, tuning.parallel_tokens, align, 0 if tuning.parallel else PARALLEL_LONGEST,
-                          tuning.block_v)
+        cut = ParallelCut(sms, tuning.parallel_tokens, align, 0 if tuning.parallel else CUT_FROM,
+                          0 if tuning.parallel else LONGEST_SHARE, tuning.block_v)
     block_v = tuning.block_v or block_v_for((len(parallel) - 1 if parallel else N) * HV, math.gcd(V, K) if parallel
                                             else V, sms, q.dtype)
     segments = parallel or time_segments(T, N, N * HV * (V // block_v), sms, packed, tuning.segment_tokens,
@@ -345,20 +346,20 @@ def cut_sequences(cu_seqlens: list[int], HV: int, cut: ParallelCut) -> tuple[tup
     """Pieces (n, t0, t1) of packed sequences (bounds cu_seqlens, on the host), every sequence's rows
     in order: each longer than the longest's parallel segment (parallel_segments of it alone) cut into
     segments of that length, the others whole (an empty one an empty piece); None where the longest
-    has fewer than cut.longest tokens or would not be cut in three."""
+    has fewer than cut.longest tokens or cut.share of them, or would not be cut in three."""
     lengths = [t1 - t0 for t0, t1 in zip(cu_seqlens, cu_seqlens[1:])]
     longest = max(lengths, default=0)
     alone = parallel_segments(longest, 1, HV, cut.sms, False, cut.min_tokens, cut.align)
-    if longest < cut.longest or alone is None:
+    if longest < cut.longest or longest < cut.share * sum(lengths) or alone is None:
         return None
     step = alone[0][1]
     return tuple((n, t, min(t + step, t1)) for n, (t0, t1) in enumerate(zip(cu_seqlens, cu_seqlens[1:]))
                  for t in range(t0, max(t1, t0 + 1), step))
 
 
-# Packed sequences are cut into parallel segments from a longest sequence of this many tokens
-# (ParallelCut; at few heads: _parallel_pays).
-PARALLEL_LONGEST = 65536
+# Packed sequences are cut into parallel segments where the longest has at least CUT_FROM tokens and
+# LONGEST_SHARE of the call's (its chain is the call's; the others' programs end before it).
+CUT_FROM, LONGEST_SHARE = 32768, 0.5
 # A lone sequence runs in parallel segments from this many tokens (at few heads: _parallel_pays).
 PARALLEL_FROM = 8192
 

@@ -393,16 +393,19 @@ def test_parallel_segments_pay_at_tensor_parallel_shards():
 def test_cut_sequences():
     """Packed sequences cut on a call (kda_opt/plan.cut_sequences): those longer than the longest's
     parallel segment into segments of its length, the others whole, every sequence's rows in order;
-    none where the longest is under the plan's bound or gives fewer than three segments."""
-    cut = ParallelCut(sms=132, min_tokens=2048, align=64, longest=65536, block_v=None)
+    none where the longest is under the plan's bounds (its tokens, its share of the call's) or gives
+    fewer than three segments."""
+    cut = ParallelCut(sms=132, min_tokens=2048, align=64, longest=65536, share=0.5, block_v=None)
     step = parallel_segments(131072, 1, 8, 132, False, 2048)[0][1]
     assert step == 7744                           # 17 segments: a pass runs 16 · 8 programs
     pieces = cut_sequences([0, 100, 131172, 131172, 141172], 8, cut)
     assert pieces == ((0, 0, 100),) + tuple((1, t, min(t + step, 131172)) for t in range(100, 131172, step)) + \
         ((2, 131172, 131172), (3, 131172, 131172 + step), (3, 131172 + step, 141172))
     assert cut_sequences([0, 60000, 70000], 8, cut) is None                        # the longest under 65536
-    assert cut_sequences([0, 5000, 70000], 67, ParallelCut(132, 2048, 64, 0, None)) is None   # one fills the SMs
-    with_ck = cut_sequences([0, 1000, 2000], 2, ParallelCut(132, 128, 256, 0, None))
+    assert cut_sequences([0, 70000, 140000, 140001], 8, cut) is None               # nor half the tokens
+    assert cut_sequences([0, 70000, 140000], 8, cut) is not None                   # (half is enough)
+    assert cut_sequences([0, 5000, 70000], 67, ParallelCut(132, 2048, 64, 0, 0, None)) is None  # one fills the SMs
+    with_ck = cut_sequences([0, 1000, 2000], 2, ParallelCut(132, 128, 256, 0, 0, None))
     assert with_ck == ((0, 0, 256), (0, 256, 512), (0, 512, 768), (0, 768, 1000), (1, 1000, 1256), (1, 1256, 1512),
                        (1, 1512, 1768), (1, 1768, 2000))
 
