@@ -390,6 +390,18 @@ def test_parallel_segments_pay_at_tensor_parallel_shards():
     assert not _parallel_pays(8128, 12, 128) and not _parallel_pays(4096, 8, 128)
 
 
+def test_packed_calls_cut_where_the_longest_dominates():
+    """The plan's default cut (CUT_FROM, LONGEST_SHARE) on the chunked-prefill steps it was measured on
+    at H = 12: one 32768-token chunk beside 16 short requests is cut (2.8 -> 1.4 ms), one 8192-token
+    chunk beside 32 is not (slower cut), nor a mix whose longest holds under half the tokens."""
+    from kda_opt.plan import CUT_FROM, LONGEST_SHARE
+    cut = ParallelCut(132, Tuning().parallel_tokens, 64, CUT_FROM, LONGEST_SHARE, None)
+    bounds = lambda lengths: list(itertools.accumulate(lengths, initial=0))
+    assert cut_sequences(bounds([32768] + [28] * 16), 12, cut) is not None
+    assert cut_sequences(bounds([8192] + [27] * 32), 12, cut) is None
+    assert cut_sequences(bounds([32768, 20000, 20000]), 12, cut) is None
+
+
 def test_cut_sequences():
     """Packed sequences cut on a call (kda_opt/plan.cut_sequences): those longer than the longest's
     parallel segment into segments of its length, the others whole, every sequence's rows in order;
