@@ -32,8 +32,8 @@ class Unbindable(Exception):
 
 class Recording(TorchDispatchMode):
     """One run of a call: its launches (kda_opt/launch reports them while it is the thread's
-    recorder), the buffers it allocated, and the first torch operation it ran that is neither an
-    allocation nor a view (`reason`)."""
+    recorder) and its copies between tensors among them, the buffers it allocated, and the first
+    torch operation it ran that is neither an allocation, a view nor such a copy (`reason`)."""
 
     def __init__(self, inputs: tuple):
         super().__init__()
@@ -146,14 +146,14 @@ class Bound:
 
         self.launches = []
         for kind, kernel, grid, arguments in recording.launches:
-            cutile = kind != "triton"           # (a copy takes its tensors as cuTile does)
+            as_tensors = kind != "triton"       # cuTile's launches and copies take tensors, Triton's addresses
             template = list(arguments)
             fills = []
             for n, x in enumerate(arguments):
                 if isinstance(x, torch.Tensor):
-                    how = source(x, cutile)
+                    how = source(x, as_tensors)
                     if isinstance(how, tuple):          # a constant, in place
-                        template[n] = x if cutile else x.data_ptr()
+                        template[n] = x if as_tensors else x.data_ptr()
                     else:                               # filled in on each replay: the recorded
                         template[n] = None              # call's tensor is not kept (nor its memory)
                         fills.append((n, how))

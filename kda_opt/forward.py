@@ -10,8 +10,8 @@ Pipeline) launched on the current stream.
     order    = longest_first(cu_seqlens)      packed, stage 4 in waves: its programs' order (kda_opt/seqs)
     o, S     = wuso(q, k, v, Γ, Tm, Aqk, S0)  stage 4, cuTile   (kda_opt/wuso)
 The call's plan is made once per call signature (kda_opt/plan.plan_for), with a table of its compiled
-Triton kernels, launched without the JIT's per-call work (kda_opt/launch); a one-pass call is then
-bound (kda_opt/bound): its launches recorded once and replayed on later calls. Each stage runs through
+Triton kernels, launched without the JIT's per-call work (kda_opt/launch); a call the plan does not
+call unbindable is then bound (kda_opt/bound): its launches recorded once and replayed on later calls. Each stage runs through
 `launch`, inside an NVTX range of the `kda_opt` domain where KDA_OPT_NVTX=1 asks for them; nothing
 here waits on the device.
 
