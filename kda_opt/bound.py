@@ -6,7 +6,9 @@ kernels, grids and integer arguments, buffers of the same sizes. So a signature'
 as ever under a Recording, which keeps each launch with its arguments, each buffer the call
 allocates, and which tensors are the call's inputs. Its later calls replay that (Bound): one
 allocation per buffer the call returns and one for all the others, then the recorded launches with
-the new addresses, without the stages' Python. (The first call is left unrecorded: it compiles.)
+the new addresses, without the stages' Python: Triton's through their compiled launchers, cuTile's
+through the CUDA driver with their parameters packed once (kda_opt/launch.CutileReplay). (The first
+call is left unrecorded: it compiles.)
 
 A call is bound only where replaying it is sound, and otherwise runs as ever (Entry.unbound says
 why): every tensor a launch takes is one of the call's inputs, a buffer the call allocated or a
@@ -107,8 +109,8 @@ class Bound:
                 place[j] = (len(self.returned), workspace)
                 workspace += -(-b.untyped_storage().nbytes() // ALIGN) * ALIGN
         self.workspace = workspace
-        # What a replay computes once per call, launches then index: the addresses the Triton launches
-        # take, (None, input i) or (allocation, byte offset); the tensors cuTile's take and the call
+        # What a replay computes once per call, launches then index: the addresses the launches take,
+        # (None, input i) or (allocation, byte offset); the tensors the copies take and the call
         # returns, (None, input i) or (allocation, dtype, shape, stride, element offset, whole).
         self.addresses: list[tuple] = []
         self.tensors: list[tuple] = []
@@ -144,20 +146,37 @@ class Bound:
                 found.append(how)
             return index[key]
 
+        # Each launch: (kind, what launches it, grid, arguments, fills): a Triton launch's arguments
+        # with None where fills [(n, address index)] put the replay's addresses; a cuTile launch
+        # replayed through the driver (launch.CutileReplay), its fills the address indices of the
+        # tensors it replaces in order; a copy's fills its two tensors' indices.
         self.launches = []
         for kind, kernel, grid, arguments in recording.launches:
-            as_tensors = kind != "triton"       # cuTile's launches and copies take tensors, Triton's addresses
-            template = list(arguments)
             fills = []
-            for n, x in enumerate(arguments):
-                if isinstance(x, torch.Tensor):
-                    how = source(x, as_tensors)
-                    if isinstance(how, tuple):          # a constant, in place
-                        template[n] = x if as_tensors else x.data_ptr()
-                    else:                               # filled in on each replay: the recorded
-                        template[n] = None              # call's tensor is not kept (nor its memory)
-                        fills.append((n, how))
-            self.launches.append((kind, kernel, grid, template, fills))
+            if kind == "triton":
+                template = list(arguments)
+                for n, x in enumerate(arguments):
+                    if isinstance(x, torch.Tensor):
+                        how = source(x, False)
+                        if isinstance(how, tuple):      # a constant, in place
+                            template[n] = x.data_ptr()
+                        else:                           # filled in on each replay: the recorded call's
+                            template[n] = None          # tensor is not kept (nor its memory)
+                            fills.append((n, how))
+                self.launches.append((kind, kernel, grid, template, fills))
+            elif kind == "cutile":
+                replaced = []
+                for n, x in enumerate(arguments):
+                    if isinstance(x, torch.Tensor) and not isinstance(how := source(x, False), tuple):
+                        replaced.append(n)
+                        fills.append(how)
+                try:
+                    replay = launch.CutileReplay(kernel, grid, arguments, tuple(replaced))
+                except launch.ReplayError as e:
+                    raise Unbindable(f"its cuTile launch cannot be replayed: {e}") from None
+                self.launches.append((kind, replay, None, None, fills))
+            else:
+                self.launches.append((kind, None, None, None, [source(x, True) for x in arguments]))
         self.outputs = tuple(None if y is None else source(y, True) for y in outputs)
 
     def __call__(self, inputs: tuple):
@@ -182,18 +201,15 @@ class Bound:
             tensors.append(typed[a, dtype].as_strided(shape, stride, offset))
         stream = launch.current_stream()
         for kind, kernel, grid, template, fills in self.launches:
-            arguments = template.copy()
-            if kind != "triton":
-                for n, t in fills:
-                    arguments[n] = tensors[t]
-                if kind == "copy":
-                    arguments[0].copy_(arguments[1])
-                else:
-                    launch.cutile(stream, grid, kernel, tuple(arguments))
-            else:
+            if kind == "triton":
+                arguments = template.copy()
                 for n, p in fills:
                     arguments[n] = addresses[p]
                 kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, None, None, None, *arguments)
+            elif kind == "cutile":
+                kernel(stream, [addresses[p] for p in fills])
+            else:
+                tensors[fills[0]].copy_(tensors[fills[1]])
         return tuple(None if t is None else tensors[t] for t in self.outputs)
 
 

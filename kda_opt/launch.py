@@ -8,13 +8,17 @@ call signature; lengths that vary within one plan, a time segment's T, are marke
 So kda_opt/forward gives each plan a `Kernels` table: a kernel's first launch under the plan goes
 through the JIT (which compiles it, or finds it in its caches) and keeps the compiled kernel; later
 launches hand the arguments straight to its launcher. Every launch, Triton's and cuTile's, is also
-reported to the thread's recorder where one is set (kda_opt/bound records a call to replay it).
+reported to the thread's recorder where one is set (kda_opt/bound records a call to replay it), and a
+recorded cuTile launch is replayed through the CUDA driver (CutileReplay).
 """
+import ctypes
 import math
 import os
+import struct
 import threading
 
 import cuda.tile as ct
+from cuda.tile.compilation import CallingConvention, ConstantConstraint, KernelSignature, ScalarConstraint, export_kernel
 import nvtx
 import torch
 from triton import knobs
@@ -57,7 +61,116 @@ def cutile_launch(grid, kernel, args) -> None:
     cutile(current_stream(), grid, kernel, args)
 
 
-cutile = ct.launch      # every cuTile launch of the package, the replayed ones (kda_opt/bound) included
+cutile = ct.launch      # every cuTile launch of the package but the replayed ones (CutileReplay)
+
+
+class ReplayError(Exception):
+    """Why a cuTile launch cannot be replayed through the driver."""
+
+
+class CutileReplay:
+    """A recorded cuTile launch made again on other addresses through the CUDA driver (cuLaunchKernel),
+    for kda_opt/bound's replays. ct.launch reads every array argument's metadata and finds the
+    kernel's specialisation for it on each launch; here the specialisation of the recorded launch's
+    arguments (what ct.launch compiled for them) is compiled once through cuda.tile.compilation's
+    export, and its parameters packed once as the cutile_python_v2 calling convention lays them out
+    (an array as its address, shape and strides; a scalar as itself; constants left out). A replay
+    writes in the addresses of the arguments `replaced` names (their indices among the launch's
+    arguments) and launches. Sound for arguments of the recorded specialisation: kda_opt/plan's
+    signature fixes every shape, stride and dtype, and each input's alignment to 16 bytes (the
+    alignment the specialisation assumes at most; the call's own buffers are aligned to more)."""
+
+    def __init__(self, kernel, grid, arguments: tuple, replaced: tuple):
+        from cuda.bindings import driver
+        signature = KernelSignature.from_kernel_args(kernel, arguments, CallingConvention.cutile_python_v2())
+        self.kernel, threads, layout = _driver_kernel(kernel, signature)
+        formats, values, argument_of = _parameters(signature, arguments)
+        if [size for _, size in layout] != [struct.calcsize(f) for f in formats]:
+            raise ReplayError(f"{signature.symbol[:40]}…'s parameters are not as its calling convention lays them out")
+        end = layout[-1][0] + layout[-1][1] if layout else 0
+        self._buffer = bytearray(-(-end // 8) * 8 or 8)
+        for f, value, (offset, _) in zip(formats, values, layout):
+            struct.pack_into(f, self._buffer, offset, value)
+        self._c_buffer = (ctypes.c_char * len(self._buffer)).from_buffer(self._buffer)
+        base = ctypes.addressof(self._c_buffer)
+        self._pointers = (ctypes.c_void_p * max(len(layout), 1))(*(base + offset for offset, _ in layout))
+        self._words = memoryview(self._buffer).cast("Q")
+        word = {n: offset // 8 for (offset, _), n in zip(layout, argument_of) if n is not None}
+        self.words = tuple(word[n] for n in replaced)
+        self.launch_dims = (*grid, *(1,) * (3 - len(grid)), threads, 1, 1, 0)    # grid, block, dynamic shared memory
+        self._launch = driver.cuLaunchKernel
+        self._lock = threading.Lock()   # one parameter buffer: concurrent replays fill and launch it in turn
+
+    def __call__(self, stream: int, addresses) -> None:
+        """The launch on `stream` with the replaced arguments at `addresses` (in `replaced`'s order)."""
+        words = self._words
+        with self._lock:
+            for w, address in zip(self.words, addresses):
+                words[w] = address
+            error, = self._launch(self.kernel, *self.launch_dims, stream, ctypes.addressof(self._pointers), 0)
+        if error:
+            raise RuntimeError(f"cuLaunchKernel failed: {error!r}")
+
+
+# (kernel, specialisation's symbol) → (the loaded CUkernel, threads per block, its parameters' (offset,
+# size)s): each specialisation compiled and loaded once a process.
+_driver_kernels: dict = {}
+ALIGNMENT_FIXED = 16    # the input alignment a plan's signature fixes (kda_opt/plan), in bytes
+_SCALAR_FORMATS = {ct.float32: "f", ct.float64: "d", ct.int32: "i", ct.int64: "q", ct.bool_: "?"}
+
+
+def _driver_kernel(kernel, signature):
+    """(CUkernel, threads, [(offset, size)] of its parameters) of `kernel` compiled for `signature`."""
+    key = (kernel, signature.symbol)
+    if key not in _driver_kernels:
+        import io
+        from cuda.bindings import driver
+        for c in signature.parameters:
+            if getattr(c, "base_addr_divisible_by", 1) > ALIGNMENT_FIXED:
+                raise ReplayError(f"the kernel assumes addresses aligned to {c.base_addr_divisible_by} bytes")
+        major, minor = ct.get_compute_capability(torch.cuda.current_device())
+        binary = io.BytesIO()
+        export_kernel(kernel, [signature], binary, gpu_code=f"sm_{major}{minor}", output_format="cubin")
+        library = _checked(driver.cuLibraryLoadData(binary.getvalue(), None, None, 0, None, None, 0))
+        handle = _checked(driver.cuLibraryGetKernel(library, signature.symbol.encode()))
+        threads = _checked(driver.cuKernelGetAttribute(
+            driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, handle, torch.cuda.current_device()))
+        layout = []
+        while (info := driver.cuKernelGetParamInfo(handle, len(layout)))[0] == driver.CUresult.CUDA_SUCCESS:
+            layout.append((info[1], info[2]))
+        _driver_kernels[key] = (handle, threads, layout)
+    return _driver_kernels[key]
+
+
+def _checked(result):
+    """A driver call's value, or RuntimeError where it failed."""
+    error, value = result
+    if error:
+        raise RuntimeError(f"CUDA driver: {error!r}")
+    return value
+
+
+def _parameters(signature, arguments):
+    """The launch's parameters as the cutile_python_v2 convention passes them: (struct formats,
+    values, the index of the argument whose address each is, or None)."""
+    formats, values, argument_of = [], [], []
+    for n, (c, x) in enumerate(zip(signature.parameters, arguments)):
+        if isinstance(c, ConstantConstraint):
+            continue
+        if isinstance(c, ScalarConstraint):
+            if c.dtype not in _SCALAR_FORMATS:
+                raise ReplayError(f"no format for a {c.dtype} scalar")
+            formats.append(_SCALAR_FORMATS[c.dtype])
+            values.append(x)
+            argument_of.append(None)
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise ReplayError(f"argument {n} is neither a tensor, a scalar nor a constant")
+        index = "q" if c.index_dtype == ct.int64 else "i"
+        formats += ["Q"] + [index] * (2 * x.dim())
+        values += [x.data_ptr(), *x.shape, *x.stride()]
+        argument_of += [n] + [None] * (2 * x.dim())
+    return formats, values, argument_of
 
 
 class _Thread(threading.local):

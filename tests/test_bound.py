@@ -21,12 +21,30 @@ class Compiled:
         self.runs.append(arguments[9:])     # after the grid, stream, function, metadata and hooks
 
 
+class Replayed:
+    """A stand-in for a cuTile launch replayed through the driver (launch.CutileReplay): it keeps
+    what the real one keeps, not the recorded tensors, and each replay's addresses."""
+    made = []
+
+    def __init__(self, kernel, grid, arguments, replaced):
+        self.kernel, self.grid, self.replaced = kernel, grid, replaced
+        self.scalars = tuple(x for x in arguments if not isinstance(x, torch.Tensor))
+        self.calls = []
+        Replayed.made.append(self)
+
+    def __call__(self, stream, addresses):
+        self.calls.append(tuple(addresses))
+
+
 @pytest.fixture
 def stand_ins(monkeypatch):
-    """A compiled Triton stand-in and the cuTile launches, recorded instead of launched (CPU)."""
+    """A compiled Triton stand-in and the cuTile launches, recorded instead of launched (CPU); the
+    cuTile replays in Replayed.made."""
     tiles = []
+    Replayed.made = []
     monkeypatch.setattr(launch, "current_stream", lambda: 0)
     monkeypatch.setattr(launch, "cutile", lambda stream, grid, kernel, args: tiles.append((grid, kernel, args)))
+    monkeypatch.setattr(launch, "CutileReplay", Replayed)
     return Compiled(), tiles
 
 
@@ -52,14 +70,16 @@ def test_replay_fills_in_the_new_addresses(stand_ins):
     a2, b2 = torch.randn(3), torch.randn(2, 2)
     o2, none2 = replay((a2, b2, None))
     assert none2 is None and o2.shape == b.shape and o2.dtype == b.dtype and o2.data_ptr() != o.data_ptr()
-    (args,), ((grid, kernel, tile_args),) = compiled.runs, tiles
+    (args,), (replayed,) = compiled.runs, Replayed.made
+    assert not tiles        # the cuTile launch replayed through the driver, not ct.launch
     assert args[0] == a2.data_ptr() and args[2:] == (5, o2.data_ptr(), None) and type(args[1]) is int
-    assert grid == (1, 2, 1) and kernel == "kernel" and tile_args[0] is a2 and tile_args[2] is o2
-    assert tile_args[3] is CONSTANT and tile_args[4] == 1.5
-    x2 = tile_args[1]
-    assert x2.shape == (8,) and x2.dtype == torch.float32 and args[1] - x2.data_ptr() == y_offset
+    # The cuTile launch's tensors replaced by their new addresses but the constant, kept as recorded.
+    assert replayed.grid == (1, 2, 1) and replayed.kernel == "kernel" and replayed.replaced == (0, 1, 2)
+    assert replayed.scalars == (1.5,)
+    (addresses,) = replayed.calls
+    assert addresses[0] == a2.data_ptr() and addresses[2] == o2.data_ptr() and args[1] - addresses[1] == y_offset
     # o is an allocation of its own; the workspace holds the rest.
-    assert o2.untyped_storage().data_ptr() != x2.untyped_storage().data_ptr()
+    assert not o2.data_ptr() <= addresses[1] < o2.data_ptr() + o2.untyped_storage().nbytes()
     assert o2.untyped_storage().nbytes() == o.untyped_storage().nbytes()
 
 
@@ -120,6 +140,18 @@ def test_unbound_calls_say_why(stand_ins, monkeypatch, case):
     result, recording = bound.record(lambda: call(compiled, a, b), inputs)
     with pytest.raises(bound.Unbindable, match=words):
         recording.bound(result[0] if isinstance(result[0], tuple) else result)
+
+
+def test_a_cutile_launch_the_driver_cannot_replay_leaves_the_call_unbound(stand_ins, monkeypatch):
+    compiled, _ = stand_ins
+
+    def unreplayable(*args):
+        raise launch.ReplayError("no format for a float16 scalar")
+    monkeypatch.setattr(launch, "CutileReplay", unreplayable)
+    a, b = torch.randn(3), torch.randn(2, 2)
+    result, recording = bound.record(lambda: a_call(compiled, a, b), (a, b))
+    with pytest.raises(bound.Unbindable, match="cuTile launch cannot be replayed: no format"):
+        recording.bound(result)
 
 
 def _jit_launch(fn, grid, kernels, *params, **args):
