@@ -128,7 +128,7 @@ def _driver_kernel(kernel, signature):
         for c in signature.parameters:
             if getattr(c, "base_addr_divisible_by", 1) > ALIGNMENT_FIXED:
                 raise ReplayError(f"the kernel assumes addresses aligned to {c.base_addr_divisible_by} bytes")
-        major, minor = ct.get_compute_capability(torch.cuda.current_device())
+        major, minor = torch.cuda.get_device_capability()
         binary = io.BytesIO()
         export_kernel(kernel, [signature], binary, gpu_code=f"sm_{major}{minor}", output_format="cubin")
         library = _checked(driver.cuLibraryLoadData(binary.getvalue(), None, None, 0, None, None, 0))

@@ -39,12 +39,19 @@ def calls(sanitizer=(), arguments=(), **env):
     return done.returncode, done.stdout + done.stderr
 
 
+# API errors are not reported: cuda-bindings (kda_opt/launch's replays of cuTile launches) asks the
+# driver for every entry point it binds at its first call, and the driver answers "invalid argument"
+# for those it lacks. A launch or a driver call of the package that fails raises in Python, which
+# fails the calls.
+API_ERRORS = ("--report-api-errors", "no")
+
+
 def sanitize(tool):
     """compute-sanitizer --tool `tool` over every call of tests/sanitizer_calls.py."""
     if not os.access(SANITIZER, os.X_OK):
         pytest.fail(f"the sanitizer tier needs compute-sanitizer (not on PATH nor at {SANITIZER})")
-    return calls((SANITIZER, "--tool", tool, *TOOLS[tool], "--error-exitcode", "99"), ARGUMENTS.get(tool, ()),
-                 PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+    return calls((SANITIZER, "--tool", tool, *TOOLS[tool], *API_ERRORS, "--error-exitcode", "99"),
+                 ARGUMENTS.get(tool, ()), PYTORCH_NO_CUDA_MEMORY_CACHING="1")
 
 
 @gpu
