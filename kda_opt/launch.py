@@ -94,6 +94,7 @@ class CutileReplay:
         self._c_buffer = (ctypes.c_char * len(self._buffer)).from_buffer(self._buffer)
         base = ctypes.addressof(self._c_buffer)
         self._pointers = (ctypes.c_void_p * max(len(layout), 1))(*(base + offset for offset, _ in layout))
+        self._parameters = ctypes.addressof(self._pointers)     # cuLaunchKernel's kernelParams
         self._words = memoryview(self._buffer).cast("Q")
         word = {n: offset // 8 for (offset, _), n in zip(layout, argument_of) if n is not None}
         self.words = tuple(word[n] for n in replaced)
@@ -107,21 +108,22 @@ class CutileReplay:
         with self._lock:
             for w, address in zip(self.words, addresses):
                 words[w] = address
-            error, = self._launch(self.kernel, *self.launch_dims, stream, ctypes.addressof(self._pointers), 0)
+            error, = self._launch(self.kernel, *self.launch_dims, stream, self._parameters, 0)
         if error:
             raise RuntimeError(f"cuLaunchKernel failed: {error!r}")
 
 
-# (kernel, specialisation's symbol) → (the loaded CUkernel, threads per block, its parameters' (offset,
-# size)s): each specialisation compiled and loaded once a process.
+# (kernel, specialisation's symbol, device) → (its CUfunction in the device's primary context, threads
+# per block, its parameters' (offset, size)s): each specialisation compiled and loaded once a process.
 _driver_kernels: dict = {}
 ALIGNMENT_FIXED = 16    # the input alignment a plan's signature fixes (kda_opt/plan), in bytes
 _SCALAR_FORMATS = {ct.float32: "f", ct.float64: "d", ct.int32: "i", ct.int64: "q", ct.bool_: "?"}
 
 
 def _driver_kernel(kernel, signature):
-    """(CUkernel, threads, [(offset, size)] of its parameters) of `kernel` compiled for `signature`."""
-    key = (kernel, signature.symbol)
+    """(CUfunction, threads, [(offset, size)] of its parameters) of `kernel` compiled for `signature`,
+    on the current device (a function, not the context-free CUkernel: the driver launches it for less)."""
+    key = (kernel, signature.symbol, torch.cuda.current_device())
     if key not in _driver_kernels:
         import io
         from cuda.bindings import driver
@@ -138,7 +140,7 @@ def _driver_kernel(kernel, signature):
         layout = []
         while (info := driver.cuKernelGetParamInfo(handle, len(layout)))[0] == driver.CUresult.CUDA_SUCCESS:
             layout.append((info[1], info[2]))
-        _driver_kernels[key] = (handle, threads, layout)
+        _driver_kernels[key] = (_checked(driver.cuKernelGetFunction(handle)), threads, layout)
     return _driver_kernels[key]
 
 
