@@ -12,6 +12,7 @@ reported to the thread's recorder where one is set (kda_opt/bound records a call
 recorded cuTile launch is replayed through the CUDA driver (CutileReplay).
 """
 import ctypes
+import io
 import math
 import os
 import struct
@@ -116,16 +117,16 @@ class CutileReplay:
 # (kernel, specialisation's symbol, device) → (its CUfunction in the device's primary context, threads
 # per block, its parameters' (offset, size)s): each specialisation compiled and loaded once a process.
 _driver_kernels: dict = {}
-ALIGNMENT_FIXED = 16    # the input alignment a plan's signature fixes (kda_opt/plan), in bytes
+ALIGNMENT_FIXED = 16    # the input alignment a plan's signature fixes (kda_opt/plan's key), in bytes
 _SCALAR_FORMATS = {ct.float32: "f", ct.float64: "d", ct.int32: "i", ct.int64: "q", ct.bool_: "?"}
 
 
 def _driver_kernel(kernel, signature):
     """(CUfunction, threads, [(offset, size)] of its parameters) of `kernel` compiled for `signature`,
     on the current device (a function, not the context-free CUkernel: the driver launches it for less)."""
-    key = (kernel, signature.symbol, torch.cuda.current_device())
+    device = torch.cuda.current_device()
+    key = (kernel, signature.symbol, device)
     if key not in _driver_kernels:
-        import io
         from cuda.bindings import driver
         for c in signature.parameters:
             if getattr(c, "base_addr_divisible_by", 1) > ALIGNMENT_FIXED:
@@ -136,7 +137,7 @@ def _driver_kernel(kernel, signature):
         library = _checked(driver.cuLibraryLoadData(binary.getvalue(), None, None, 0, None, None, 0))
         handle = _checked(driver.cuLibraryGetKernel(library, signature.symbol.encode()))
         threads = _checked(driver.cuKernelGetAttribute(
-            driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, handle, torch.cuda.current_device()))
+            driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, handle, device))
         layout = []
         while (info := driver.cuKernelGetParamInfo(handle, len(layout)))[0] == driver.CUresult.CUDA_SUCCESS:
             layout.append((info[1], info[2]))

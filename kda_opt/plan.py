@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from .intra import warps_for
-from .launch import Kernels
+from .launch import ALIGNMENT_FIXED, Kernels
 from .options import CHUNK, GateConfig, state_shape
 from .seqs import RANK_MAX
 from .wuso import INT32_MAX, WORKER_WARPS, block_v_for
@@ -287,7 +287,7 @@ def _signature(arguments: dict, tensors=_TENSORS_OF, options=_OPTIONS_OF) -> tup
             key.append(None)
         elif isinstance(x, torch.Tensor):
             # requires_grad only where grad mode is on, the one mode whose checks read it.
-            key.append((x.shape, x.stride(), x.dtype, x.device, grad and x.requires_grad, x.data_ptr() % 16))
+            key.append((x.shape, x.stride(), x.dtype, x.device, grad and x.requires_grad, x.data_ptr() % ALIGNMENT_FIXED))
         else:
             return None
     return tuple(key)

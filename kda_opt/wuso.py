@@ -482,10 +482,8 @@ def _stand_in(device: torch.device, ndim: int, dtype: torch.dtype) -> torch.Tens
 
 
 @functools.cache
-@functools.cache
 def _kernel(worker_warps: int):
-    """wuso_kernel compiled with `worker_warps` worker warps (WORKER_WARPS: the kernel itself), one
-    kernel object for each (each keeps its own compiled specialisations)."""
+    """wuso_kernel compiled with `worker_warps` worker warps (WORKER_WARPS: the kernel itself)."""
     return wuso_kernel if worker_warps == WORKER_WARPS else wuso_kernel.replace_hints(num_worker_warps=worker_warps)
 
 
