@@ -11,6 +11,8 @@ In: q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV] (B = 1 
 states [N, HV, K, V] or a pool [slots, HV, K, V] (V-first: [·, HV, V, K]; fp32, bf16 or fp16).
 Out: o [B, T, HV, V] in v's dtype; the states written as kda_decode's docstring says.
 """
+import operator
+
 import torch
 import triton
 import triton.language as tl
@@ -20,7 +22,7 @@ from .gate import gate_mode, log_decay
 from .intra import L2_EPS
 from .launch import Kernels, triton_launch
 from .options import state_shape
-from .plan import DecodePlan, decode_plan_for
+from .plan import DecodePlan, Entry, decode_plan_for
 
 
 @triton.jit(do_not_specialize=["T", "slots", "pad_slot"])
@@ -216,8 +218,19 @@ def kda_decode(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_s
                       num_accepted_tokens, out, pad_slot)
         return (o if out is None else out,
                 final if output_final_state else initial_state if inplace_final_state else None)
-    entry = decode_plan_for(dict(locals()))
-    inputs = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, ssm_state_indices, num_accepted_tokens, out)
+    arguments = dict(locals())
+    return call(decode_plan_for(arguments), arguments)
+
+
+# The call's tensors in run's order: the inputs a bound call (kda_opt/bound) replays on.
+_INPUTS = operator.itemgetter("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens",
+                              "ssm_state_indices", "num_accepted_tokens", "out")
+
+
+def call(entry: Entry, arguments: dict):
+    """kda_decode's result for `arguments` (its every argument by name) under their plan's entry
+    (plan.decode_plan_for(arguments), which has checked them)."""
+    inputs = _INPUTS(arguments)
     return bound.call(entry, inputs, lambda: run(entry.plan, *inputs, kernels=entry.kernels))
 
 

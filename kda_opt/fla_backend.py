@@ -5,13 +5,20 @@ run `kda_forward`, and calls of `fused_recurrent_kda_fwd` (behind `fused_recurre
 vLLM calls to decode) that kda_decode takes run it (`KdaOptDecodeBackend`); every other call runs
 FLA's own path. Set `FLA_KDA_OPT=0` to opt out.
 
+FLA's KDA layer (flash-linear-attention's `fla.layers.kda`, where installed) calls kda_opt without
+FLA's dispatch: `use_in_fla` points the layer's `chunk_kda` and `fused_recurrent_kda` at functions that
+take the calls the backends would (the same verifier, the same switch) and hand the others to FLA's
+own functions. The dispatch costs a decode call about as much host time as kda_decode's whole call.
+
 fla is imported by `use_in_fla` only: `import kda_opt` works without it.
 """
 import functools
+import importlib
 
 import torch
 
 from . import decode, forward
+from . import plan
 from .options import CHUNK
 from .plan import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, batch_entry_extent, decode_checks
 from .seqs import sequence_counts
@@ -25,15 +32,95 @@ PASSED_WHEN_GIVEN = ("chunk_size", "transpose_state_layout", "initial_state_indi
 
 
 def use_in_fla() -> None:
-    """Register kda_opt as a backend of `fla.ops.kda.chunk_kda`, ahead of FlashKDA.
+    """Register kda_opt as a backend of `fla.ops.kda.chunk_kda` (ahead of FlashKDA) and of FLA's
+    decode kernel, and point FLA's KDA layer, where flash-linear-attention is installed, at kda_opt
+    without FLA's dispatch (the module docstring says which calls each takes).
 
-    Calling it again is harmless: FLA's registry holds one backend per type, so the entry is replaced.
+    Calling it again is harmless: FLA's registry holds one backend per type, so the entry is replaced,
+    and the layer's functions are wrapped once.
     """
     from fla.backends import register
     from fla.ops.kda import chunk_kda
 
     register(chunk_kda)(_backend_class())
     register("kda")(_decode_backend_class())
+    _direct_layer()
+
+
+LAYER = "fla.layers.kda"      # flash-linear-attention's KDA layer module
+
+
+def _direct_layer() -> None:
+    """Points FLA's KDA layer module (LAYER), where flash-linear-attention is installed, at
+    direct_chunk_kda and direct_fused_recurrent_kda around the functions it imported from FLA (once:
+    a second call wraps FLA's functions again, not the wrappers)."""
+    try:
+        layer = importlib.import_module(LAYER)
+    except ImportError:
+        return
+    for name, direct in (("chunk_kda", direct_chunk_kda), ("fused_recurrent_kda", direct_fused_recurrent_kda)):
+        own = getattr(layer, name)
+        setattr(layer, name, direct(getattr(own, "fla_own", own)))
+
+
+def _taken(q, backend) -> bool:
+    """Whether kda_opt may take a call at all, as FLA's dispatch would let it: the backend enabled
+    (FLA_KDA_OPT, read on every call), q on Hopper, and not inside torch.compile's tracing (FLA's
+    dispatch runs outside it; its function then dispatches as it does)."""
+    return not torch.compiler.is_compiling() and backend.is_enabled() and _on_hopper(q.device)
+
+
+def direct_chunk_kda(own):
+    """FLA's KDA layer's chunk_kda: the calls KdaOptBackend's verifier accepts run its chunk_kda (so
+    kda_forward) without FLA's dispatch; the others run own, FLA's chunk_kda."""
+    backend = _backend_class()()
+
+    @functools.wraps(own)
+    def chunk_kda(*args, **kwargs):
+        if _taken(args[0] if args else kwargs["q"], backend):
+            try:
+                accepted = backend.chunk_kda_verifier(*args, **kwargs)[0]
+            except Exception:             # as FLA's dispatch takes a verifier's error: the call is FLA's
+                accepted = False
+            if accepted:
+                return backend.chunk_kda(*args, **kwargs)
+        return own(*args, **kwargs)
+    chunk_kda.fla_own = own
+    return chunk_kda
+
+
+def direct_fused_recurrent_kda(own):
+    """FLA's KDA layer's fused_recurrent_kda: the calls kda_decode takes (its checks, once per
+    signature: plan.decode_plan_for) run it without FLA's dispatch, the signature read once; the
+    others run own, FLA's fused_recurrent_kda."""
+    backend = _decode_backend_class()()
+
+    @functools.wraps(own)
+    def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
+                            output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                            use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
+                            state_v_first=False, cu_seqlens=None, **kwargs):
+        named = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
+                     initial_state=initial_state, output_final_state=output_final_state,
+                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                     use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                     lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens)
+        if not kwargs and _taken(q, backend):
+            arguments = {**named, **DECODE_SERVING}
+            try:
+                entry = plan.decode_plan_for(arguments)
+            except Exception:             # kda_decode refuses it: FLA's own path decides, as after a verifier
+                entry = None
+            if entry is not None:
+                return decode.call(entry, arguments)
+        return own(**named, **kwargs)
+    fused_recurrent_kda.fla_own = own
+    return fused_recurrent_kda
+
+
+# kda_decode's serving arguments as FLA's fused_recurrent_kda passes them on (none of them).
+DECODE_SERVING = dict(inplace_final_state=False, ssm_state_indices=None, num_accepted_tokens=None, out=None,
+                      pad_slot=None)
 
 
 @functools.cache

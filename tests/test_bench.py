@@ -648,23 +648,29 @@ def test_host_decode_rows_make_the_layers_call(monkeypatch):
     """--test host's decode rows: kda_decode on the call FLA's KDA layer makes (its bf16 gate
     parameters, an fp32 V-first state, the final state out), B requests or packed with cu_seqlens;
     FLA's fused_recurrent_kda on the same arguments, with its dispatch set to keep the call (fla) or
-    send it to kda_opt (via_fla)."""
+    send it to kda_opt (via_fla), and FLA's KDA layer's (via_layer) with kda_opt on."""
     from kda_bench import host
     real_inputs = host.random_inputs
     monkeypatch.setattr(host, "random_inputs", lambda *a, **kw: real_inputs(*a, **kw, device="cpu"))
     seen = []
     fla_ops = types.ModuleType("fla.ops.kda")
-    fla_ops.fused_recurrent_kda = lambda **a: seen.append((common.os.environ["FLA_KDA_OPT"], a))
+    def fused_recurrent_kda(**a):
+        seen.append((common.os.environ["FLA_KDA_OPT"], a))
+    fla_ops.fused_recurrent_kda = fused_recurrent_kda
     monkeypatch.setitem(sys.modules, "fla.ops.kda", fla_ops)
+    layer = types.ModuleType("fla.layers.kda")          # FLA's KDA layer, as use_in_fla leaves it
+    layer.fused_recurrent_kda = fused_recurrent_kda
+    monkeypatch.setitem(sys.modules, "fla.layers.kda", layer)
     for name, B, packed in host.DECODE_CALLS:
         made = []
         runs = host.decode_calls(B, packed, kda_decode=lambda **a: made.append(a))
-        assert set(runs) == {"kda_opt", "fla", "via_fla"}
+        assert set(runs) == {"kda_opt", "fla", "via_fla", "via_layer"}
         seen.clear()
         for system in runs.values():
             system()
         (a,) = made
-        assert [env for env, _ in seen] == ["0", "1"] and all(b is a[n] for (_, f) in seen for n, b in f.items()), name
+        assert [env for env, _ in seen] == ["0", "1", "1"], name
+        assert all(b is a[n] for (_, f) in seen for n, b in f.items()), name
         assert a["A_log"].dtype == a["dt_bias"].dtype == torch.bfloat16 and a["output_final_state"], name
         assert a["initial_state"].dtype == torch.float32 and a["state_v_first"], name
         assert a["q"].shape[:2] == ((1, B) if packed else (B, 1)) and ("cu_seqlens" in a) == packed, name

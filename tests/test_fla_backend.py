@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kda_opt
-from kda_opt import fla_backend, forward
+from kda_opt import decode, fla_backend, forward
 from tests.conftest import gpu, rel_err
 
 fla_backends = pytest.importorskip("fla.backends")
@@ -357,3 +357,107 @@ def test_fused_recurrent_is_kda_decode_on_gpu(decode_registry):
     with torch.inference_mode():
         routed = fused_recurrent_kda_fwd(**call)
     assert torch.equal(routed[0], ours[0]) and torch.equal(routed[1], ours[1])
+
+
+# ---- FLA's KDA layer, past FLA's dispatch ----
+
+@pytest.fixture
+def layer(monkeypatch):
+    """A stand-in for flash-linear-attention's fla.layers.kda (not a test dependency): its chunk_kda and
+    fused_recurrent_kda record their calls as FLA's own functions would be called; use_in_fla has
+    pointed it at kda_opt (twice: the wrappers wrap FLA's functions once)."""
+    import types
+    module, own = types.ModuleType(fla_backend.LAYER), []
+    module.chunk_kda = lambda *args, **kwargs: own.append(("chunk", args, kwargs)) or ("fla o", "fla state")
+    module.fused_recurrent_kda = lambda **kwargs: own.append(("decode", (), kwargs)) or ("fla o", "fla state")
+    firsts = (module.chunk_kda, module.fused_recurrent_kda)
+    monkeypatch.setitem(sys.modules, fla_backend.LAYER, module)
+    monkeypatch.delenv("FLA_KDA_OPT", raising=False)
+    for _ in range(2):
+        kda_opt.use_in_fla()
+    assert (module.chunk_kda.fla_own, module.fused_recurrent_kda.fla_own) == firsts
+    yield module, own
+    for registry in (fla_backends._function_registries[inspect.unwrap(chunk_kda)],
+                     fla_backends._load_operation_registry("kda")):
+        registry._backends.pop("kda_opt", None)
+
+
+@pytest.fixture
+def decode_stand_ins(monkeypatch):
+    """decode.call recorded; plan.decode_plan_for's checks made as on a GPU of one SM (CPU tensors)."""
+    from kda_opt import plan
+    calls = []
+    monkeypatch.setattr(plan, "decode_plan_for", lambda a: plan.Entry(plan.make_decode_plan(**a, sms=1)))
+    monkeypatch.setattr(decode, "call", lambda entry, arguments: calls.append((entry, arguments)) or ("o", None))
+    return calls
+
+
+def layer_decode_call(K=128):
+    """fused_recurrent_kda's keywords as FLA's KDA layer passes them in a decode step (B = 2)."""
+    call = kimi_call(device="cpu", B=2, T=1, K=K)
+    state = torch.randn(2, 2, 128, K)                                   # V-first
+    return {**call, "initial_state": state, "state_v_first": True, "allow_neg_eigval": False, "lower_bound": None,
+            "cu_seqlens": None}
+
+
+def test_layer_decode_runs_kda_decode_past_dispatch(layer, on_hopper, decode_stand_ins):
+    module, own = layer
+    assert module.fused_recurrent_kda(**layer_decode_call()) == ("o", None)
+    (entry, arguments), = decode_stand_ins
+    assert not own and entry.plan.write == 1 and entry.plan.state_v_first
+    call = layer_decode_call()
+    assert arguments.keys() == set(inspect.signature(kda_opt.kda_decode).parameters)
+    assert arguments["inplace_final_state"] is False and arguments["ssm_state_indices"] is None
+    assert arguments["A_log"] is not None and arguments["output_final_state"] is True
+    assert arguments["q"].shape == call["q"].shape
+
+
+@pytest.mark.parametrize("case", ["FLA_KDA_OPT=0", "off Hopper", "refused", "FLA's own keyword"])
+def test_layer_decode_left_to_fla(layer, on_hopper, decode_stand_ins, monkeypatch, case):
+    module, own = layer
+    call = layer_decode_call(K=256 if case == "refused" else 128)      # kda_decode takes K of 64 or 128
+    extra = {}
+    if case == "FLA_KDA_OPT=0":
+        monkeypatch.setenv("FLA_KDA_OPT", "0")
+    elif case == "off Hopper":
+        monkeypatch.setattr(fla_backend, "_on_hopper", lambda device: False)
+    elif case == "FLA's own keyword":
+        extra = dict(transpose_state_layout=True)
+    assert module.fused_recurrent_kda(**call, **extra) == ("fla o", "fla state")
+    (kind, _, kwargs), = own
+    assert kind == "decode" and not decode_stand_ins
+    assert kwargs.keys() == {*call, "scale", *extra} and all(kwargs[n] is x for n, x in call.items())
+
+
+def test_layer_chunk_runs_kda_forward_past_dispatch(layer, on_hopper, recorder):
+    module, own = layer
+    call = kimi_call(device="cpu")
+    assert module.chunk_kda(**call, safe_gate=True, lower_bound=-5.0) == ("o", "final_state")
+    (args, kwargs), = recorder
+    assert not own and args[0] is call["q"] and kwargs["A_log"] is call["A_log"] and kwargs["safe_gate"] is True
+
+
+def test_layer_chunk_left_to_fla(layer, on_hopper, recorder, monkeypatch):
+    module, own = layer
+    grad = kimi_call(device="cpu")
+    grad["q"].requires_grad_()
+    module.chunk_kda(**grad)                                            # the verifier declines: training
+    monkeypatch.setenv("FLA_KDA_OPT", "0")
+    module.chunk_kda(**kimi_call(device="cpu"))
+    assert not recorder and [kind for kind, *_ in own] == ["chunk", "chunk"]
+
+
+@gpu
+def test_layer_calls_are_kda_opt_on_gpu(registry, monkeypatch):
+    layer = pytest.importorskip(fla_backend.LAYER)          # flash-linear-attention: the bench extra
+    for name in ("chunk_kda", "fused_recurrent_kda"):
+        monkeypatch.setattr(layer, name, getattr(getattr(layer, name), "fla_own", getattr(layer, name)))
+    kda_opt.use_in_fla()
+    torch.manual_seed(0)
+    for T, ours, routed in ((1, kda_opt.kda_decode, layer.fused_recurrent_kda),
+                            (100, kda_opt.kda_forward, layer.chunk_kda)):
+        call = {**kimi_call(device="cuda", B=2, T=T), "state_v_first": True}
+        with torch.inference_mode():
+            expected, got = ours(**call), routed(**call)
+        assert all(torch.equal(a, b) for a, b in zip(expected, got)), T
+    assert layer.fused_recurrent_kda.fla_own is not layer.fused_recurrent_kda

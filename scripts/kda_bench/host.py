@@ -10,15 +10,20 @@ layer (Kimi-Linear calls KDA once per layer; prefill steps usually run outside C
                host costs the GPU
 Systems: kda_opt called directly (kda_forward, kda_decode); FLA's own function (fla), and the same
 function with kda_opt registered in FLA (`use_in_fla`), which FLA's dispatch then sends the call to
-(via_fla); both FLA columns set FLA_KDA_OPT around each call (common.system), so that they pay the
-same for it; FlashKDA.
+(via_fla); FLA's KDA layer's function of that name (via_layer: `fla.layers.kda`'s, which use_in_fla
+points at kda_opt past the dispatch; flash-linear-attention installed); the FLA columns set
+FLA_KDA_OPT around each call (common.system), so that they pay the same for it; FlashKDA.
 Rows: HOST_CALLS, prefill calls at Kimi-Linear's H = 32, K = V = 128, bf16, an fp32 initial state;
 DECODE_CALLS, the decode call FLA's KDA layer makes (fused_recurrent_kda: its bf16 A_log and
 dt_bias, the softplus gate, an fp32 V-first state in, the final state out). A system that does not
 make a row's call as it is leaves its cell empty. Every call runs under torch.inference_mode(), as a
 serving engine runs its model. Written to <out-dir>/host_<gpu>.csv.
 """
+import importlib
+
 import torch
+
+from kda_opt import fla_backend
 
 from . import peers, serving
 from .common import NOT_RUN, Case, graph_ms, host_ms, progress, show, system, write_rows
@@ -44,18 +49,26 @@ HOST_CALLS = [
 # layer's call on a left-padded batch).
 DECODE_CALLS = [("decode B=2, FLA's layer call", 2, False), ("decode B=64, FLA's layer call", 64, False),
                 ("decode B=2 packed (cu_seqlens)", 2, True)]
-FIELDS = ["call", "kda_opt_host_ms", "fla_host_ms", "via_fla_host_ms", "flashkda_host_ms", "kda_opt_eager_ms",
-          "kda_opt_graph_ms"]
+FIELDS = ["call", "kda_opt_host_ms", "fla_host_ms", "via_fla_host_ms", "via_layer_host_ms", "flashkda_host_ms",
+          "kda_opt_eager_ms", "kda_opt_graph_ms"]
 
 
 def through_fla(function, args) -> dict:
-    """{"fla": FLA's own `function` on args, "via_fla": the same sent to kda_opt by FLA's dispatch}."""
-    def run(name):
+    """{"fla": FLA's own `function` on args, "via_fla": the same sent to kda_opt by FLA's dispatch,
+    "via_layer": FLA's KDA layer's function of that name (where flash-linear-attention is installed)}."""
+    def run(name, f=function):
         def call():
             with system(name):
-                return function(**args)
+                return f(**args)
         return call
-    return {"fla": run("fla"), "via_fla": run("kda_opt")}
+    runs = {"fla": run("fla"), "via_fla": run("kda_opt")}
+    try:
+        layer = getattr(importlib.import_module(fla_backend.LAYER), function.__name__, None)
+    except ImportError:
+        layer = None
+    if layer is not None:
+        runs["via_layer"] = run("kda_opt", layer)
+    return runs
 
 
 def decode_calls(B: int, packed: bool, kda_decode) -> dict:
@@ -113,7 +126,8 @@ def host_rows(fla, out_dir, quiet=False):
             f()
         host = host_ms(runs)
         row = dict(call=name, kda_opt_host_ms=host["kda_opt"], fla_host_ms=host.get("fla", NOT_RUN),
-                   via_fla_host_ms=host.get("via_fla", NOT_RUN), flashkda_host_ms=host.get("flashkda", NOT_RUN),
+                   via_fla_host_ms=host.get("via_fla", NOT_RUN), via_layer_host_ms=host.get("via_layer", NOT_RUN),
+                   flashkda_host_ms=host.get("flashkda", NOT_RUN),
                    kda_opt_eager_ms=do_bench(runs["kda_opt"], return_mode="median"),
                    kda_opt_graph_ms=graph_ms(runs["kda_opt"]))
         show(row)
