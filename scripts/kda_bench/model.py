@@ -7,7 +7,7 @@ every step pays the host's time around the kernels as well as their GPU time.
               layer computes it: softplus (FLA's default), or sigmoid with lower_bound −5 (safe gate)
     prefill   one forward over a batch of prompts with no cache, the states kept (use_cache)
     cached    a 500-token chunk into a cache that already holds a 500-token prompt
-    decode    one greedy step, the median of DECODE_STEPS steps after a 128-token prompt
+    decode    one greedy step, the median of REPEATS runs of DECODE_STEPS steps after a 128-token prompt
     padded    a left-padded batch (an attention mask: packed sequences in the layer), prefill and decode
 Each step is timed from its call to the GPU's end (a synchronisation before and after), the median of
 REPEATS; the logits of the last position only (logits_to_keep=1), as a server asks. tokens_match: the
@@ -132,10 +132,11 @@ def cached_row(model, B, T):
 
 def decode_row(model, B, padded):
     """{system: (ms per step, tokens [B, DECODE_STEPS + 1], their logits [B, DECODE_STEPS + 1, vocab])}:
-    greedy steps after a PROMPT-token prompt, each system's whole run in turn, REPEATS // 5 runs each."""
+    greedy steps after a PROMPT-token prompt, each system's whole run in turn, REPEATS runs each (a
+    step is the host's, whose speed drifts: many short turns)."""
     ids, mask = prompts(B, PROMPT, padded)
     times, tokens, logits = {s: [] for s in SYSTEMS}, {}, {}
-    for _ in range(max(REPEATS // 5, 1)):
+    for _ in range(REPEATS):
         for s in SYSTEMS:
             with system(s):
                 step, cache, scores = forward(model, ids, mask)
