@@ -21,7 +21,8 @@ from . import peers
 from .common import NOT_RUN, Case, echo, gpu_tag, medians_in_turns, planned_call, progress, read_csv, show, write_table
 
 CP_SHAPES = [(1, 65536, 16), (1, 131072, 8), (1, 262144, 4)]
-CP_RANK_SHAPES = [(1, 524288, 32), (1, 1048576, 16)]   # across GPUs
+# Across GPUs; the last, a Kimi-K3-class model's 12 heads a GPU (tensor-parallel shards).
+CP_RANK_SHAPES = [(1, 524288, 32), (1, 1048576, 16), (1, 1048576, 12)]
 SLICED = ("q", "k", "v", "g", "beta")                   # the per-token arguments a rank holds a slice of
 FIELDS = ["gpus", "B", "T", "H", "config", "kda_opt_ms", "sequential_ms", "fla_ms", "flashkda_ms", "one_gpu_ms",
           "layers_ms"]
