@@ -182,6 +182,39 @@ def rows_worker(rank, world, path):
         dist.destroy_process_group()
 
 
+class OutOfMemoryAt(Reference):
+    """The float64 engine, out of memory on rank 1 for a whole sequence of T tokens."""
+
+    def __init__(self, T):
+        self.T = T
+
+    def forward(self, args, initial_state):
+        if dist.get_rank() == 1 and args["q"].shape[1] == self.T:
+            raise torch.OutOfMemoryError("a stand-in: the sequence does not fit")
+        return super().forward(args, initial_state)
+
+
+def skipping_worker(rank, world, path):
+    dist.init_process_group("gloo", init_method=f"file://{path}/pg", rank=rank, world_size=world)
+    try:
+        from kda_bench import cp
+        out = cp.cp_rank_rows(path, shapes=[(1, 600, 2), (1, 300, 2)], configs=("default",), engine=OutOfMemoryAt(600),
+                              device=torch.device("cpu"), head_dim=16, dtype=torch.float64, path=f"{path}/cp.csv",
+                              rounds=1, layers=2, warmup=0)
+        torch.save(out, f"{path}/rows{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rows_that_do_not_fit_are_skipped_on_every_rank(tmp_path):
+    """A row one rank cannot hold (out of memory making its inputs or running the whole sequence) is
+    skipped by every rank, before any collective, and the next row is measured."""
+    mp.spawn(skipping_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        rows, errors = torch.load(tmp_path / f"rows{rank}.pt")
+        assert [(r["T"], r["config"]) for r in rows] == [(300, "default")] and list(errors) == [(300, 2, "default")]
+
+
 def test_rows_across_ranks(tmp_path):
     """`--test cp` across ranks (kda_bench/cp.cp_rank_rows), 2 gloo processes with the float64 reference
     as the engine: a row per configuration with gpus = 2, merged into the CSV beside its one-GPU rows,

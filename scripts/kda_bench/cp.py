@@ -110,7 +110,8 @@ def cp_rank_rows(out_dir, shapes=CP_RANK_SHAPES, configs=("default", "flashkda")
     one device (engine.forward: kda_forward on the GPU); rank 0 merges the rows into `path`
     (<out_dir>/cp_<gpu>.csv, merge_rows). Returns (rows, {(T, H, config): (o error, final-state
     error)}), the errors relative to the one-device call. engine: kda_opt.distributed's (its Engine
-    unless given). kda_opt_ms and one_gpu_ms: one call, every rank starting it together, to the
+    unless given). A row that does not fit a rank's memory is skipped on every rank (_inputs_that_fit).
+    kda_opt_ms and one_gpu_ms: one call, every rank starting it together, to the
     slowest rank's end (the median of `rounds`); layers_ms: per call of `layers` calls back to back,
     as a model's layers run, where rank 0 starts the next while the last rank finishes (the slices
     are causal: no rank waits for a later one). quiet: no progress bar (rank 0 draws one otherwise)."""
@@ -125,9 +126,13 @@ def cp_rank_rows(out_dir, shapes=CP_RANK_SHAPES, configs=("default", "flashkda")
     # The bar on rank 0 only: every rank's stderr reaches the same terminal under torchrun.
     for (B, T, H), config in progress(list(itertools.product(shapes, configs)), row_label, quiet or rank != 0):
         case = Case(B=B, T=T, H=H, K=head_dim, gate="safe", lower_bound=-5.0, dtype=dtype, seed=0, config=config)
-        args = case.inputs(device=device, draw_on=device)
-        initial = args.pop("initial_state")
-        args.pop("output_final_state")
+        made = _inputs_that_fit(case, engine, device, group)
+        if made is None:
+            if rank == 0:
+                echo(f"    {row_label(((B, T, H), config))}: skipped, out of memory on a rank (the whole "
+                     "sequence on one device does not fit beside its inputs)")
+            continue
+        args, initial = made
         bounds = [T * r // world for r in range(world + 1)]
         mine = {n: x[:, bounds[rank]:bounds[rank + 1]] if n in SLICED else x for n, x in args.items()}
         split = lambda: kda_forward_cp(**mine, initial_state=initial, output_final_state=True, group=group,
@@ -157,6 +162,24 @@ def cp_rank_rows(out_dir, shapes=CP_RANK_SHAPES, configs=("default", "flashkda")
     if rank == 0:
         merge_rows(rows, path or os.path.join(out_dir, f"cp_{gpu_tag()}.csv"))
     return rows, errors
+
+
+def _inputs_that_fit(case, engine, device, group):
+    """(kda_forward's arguments without the state, the initial state) for `case` on every rank of
+    `group`, or None on every rank where some rank ran out of memory making them or running the whole
+    sequence once on its device (engine.forward: a row's largest working set, and before any
+    collective, so that no rank is left waiting in one)."""
+    try:
+        args = case.inputs(device=device, draw_on=device)
+        initial = args.pop("initial_state")
+        args.pop("output_final_state")
+        engine.forward(args, initial)
+        made = (args, initial)
+    except torch.OutOfMemoryError:
+        made = None
+    if made is None and device.type == "cuda":
+        torch.cuda.empty_cache()
+    return made if _slowest(0.0 if made else 1.0, group, device) == 0.0 else None
 
 
 def main_across_ranks(out_dir, quiet=False):
