@@ -17,8 +17,7 @@ import importlib
 
 import torch
 
-from . import decode, forward
-from . import plan
+from . import decode, forward, plan
 from .options import CHUNK
 from .plan import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, batch_entry_extent, decode_checks
 from .seqs import sequence_counts
