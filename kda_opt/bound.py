@@ -149,7 +149,7 @@ class Bound:
         # Each launch: (kind, what launches it, grid, arguments, fills): a Triton launch's arguments
         # with None where fills [(n, address index)] put the replay's addresses; a cuTile launch
         # replayed through the driver (launch.CutileReplay), its fills the address indices of the
-        # tensors it replaces in order; a copy's fills its two tensors' indices.
+        # tensors it replaces in order; a copy's fills its two tensors' indices (a constant source as itself).
         self.launches = []
         for kind, kernel, grid, arguments in recording.launches:
             fills = []
@@ -209,7 +209,8 @@ class Bound:
             elif kind == "cutile":
                 kernel(stream, [addresses[p] for p in fills])
             else:
-                tensors[fills[0]].copy_(tensors[fills[1]])
+                source = fills[1]
+                tensors[fills[0]].copy_(source[1] if isinstance(source, tuple) else tensors[source])
         return tuple(None if t is None else tensors[t] for t in self.outputs)
 
 

@@ -73,7 +73,7 @@ def parallel(plan: Plan, q, k, v, g, beta, state, checkpoints, prepare, stage4):
     final, pool = state["final_state"], state["write_slots"]
     ends = None if final is None or pool else torch.empty_like(starts)
     stage4(q, k, v, gcum, Tm, Aqk, initial_state=starts, final_state=final if pool else ends, write_slots=pool,
-           slots=torch.cat((t.no_slots, state["slots"].to(torch.int32))) if pool else None,
+           slots=_beside(state["slots"], t.no_slots, first=False) if pool else None,
            cu_seqlens=t.last_bounds, out=o, checkpoints=checkpoints,
            checkpoint_rows=None if checkpoints is None else t.last_rows, **common)
     if ends is not None:
@@ -89,10 +89,19 @@ def _first_segment_reads(state, t: "_Segments"):
     if state["initial_state"] is None:
         return None, mask
     if mask is not None:
-        mask = torch.cat((mask, mask.new_zeros(len(t.no_slots))))
+        mask = _beside(mask, t.no_reads, first=True)
     if state["read_slots"]:
-        return torch.cat((state["slots"].to(torch.int32), t.no_slots)), mask
+        return _beside(state["slots"], t.no_slots, first=True), mask
     return t.first_zero, mask
+
+
+def _beside(x: torch.Tensor, table: torch.Tensor, first: bool) -> torch.Tensor:
+    """[x, *table] (first) or [*table, x] in table's dtype, x one sequence's entry: a new buffer filled
+    by two copies, so that a bound call replays it (kda_opt/bound takes no concatenation or cast)."""
+    out = table.new_empty(len(table) + 1)
+    (out[:1] if first else out[-1:]).copy_(x)
+    (out[1:] if first else out[:-1]).copy_(table)
+    return out
 
 
 def packed_pieces(plan: Plan, cu_seqlens_cpu) -> tuple[tuple[tuple[int, int, int], ...], int] | None:
@@ -246,6 +255,7 @@ class _Segments(NamedTuple):
     no_slots: torch.Tensor      # [S − 2] slot rows of −1 (no state read or written)
     middle_zeros: torch.Tensor  # [S − 2] slot rows of 0 (each transition's start, I)
     first_zero: torch.Tensor    # [S − 1] slot 0 and then −1s: only segment 0 reads a dense initial state
+    no_reads: torch.Tensor      # [S − 2] bool, False: has_initial_state of the segments after the first
 
 
 @functools.lru_cache(maxsize=64)
@@ -256,7 +266,8 @@ def _segment_tables(device: torch.device, segments, checkpoint_every: int) -> _S
     rows = [t0 // checkpoint_every for t0, _ in segments]
     none = [-1] * (S - 2)
     tables = (bounds[:S], bounds[1:S], bounds[1:], rows[:S - 1], rows[1:], none, [0] * (S - 2), [0] + none)
-    return _Segments(*(launch.constant(torch.tensor(x, dtype=torch.int32, device=device)) for x in tables))
+    return _Segments(*(launch.constant(torch.tensor(x, dtype=torch.int32, device=device)) for x in tables),
+                     launch.constant(torch.zeros(S - 2, dtype=torch.bool, device=device)))
 
 
 class _Pieces(NamedTuple):

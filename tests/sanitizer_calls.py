@@ -90,6 +90,7 @@ CALLS = {
     "parallel segments": lambda: run_tuned(random_inputs(1, 1000, H, K, initial_state=True, state_v_first=True),
                                        PARALLEL),
     "parallel segments, packed": lambda: run_tuned(pool_call([700, 30, 0, 900, 5], [3, 0, -1, 1, 2], 4), PARALLEL),
+    "parallel segments as planned, a pool slot (bound)": lambda: kda_forward(**pool_call([8192], [2], 4, has=[True])),
     "context-parallel transition": lambda: (Prepared(**{n: x for n, x in random_inputs(
         1, 395, H, K, seqlens=[130, 65, 200]).items() if n != "output_final_state"}).transition(),),
     "fp16": lambda: kda_forward(**random_inputs(1, 200, H, K, dtype=torch.float16, initial_state=True)),

@@ -116,6 +116,22 @@ def test_a_copy_between_the_calls_tensors_is_replayed_in_its_place(stand_ins):
     assert torch.equal(o2.view(-1)[:3], a2)
 
 
+def test_a_copy_from_a_constant_is_replayed_from_it(stand_ins):
+    """A copy from a package constant into a buffer of the call (a parallel call's slot table beside
+    the call's slot) is replayed from the constant itself."""
+    compiled, _ = stand_ins
+    table = launch.constant(torch.tensor([-1.0, -2.0]))
+
+    def call(a, b):
+        o, _ = a_call(compiled, a, b)
+        o.view(-1)[:2].copy_(table)
+        return o, None
+    a, b = torch.randn(3), torch.randn(2, 2)
+    (o, _), recording = bound.record(lambda: call(a, b), (a, b))
+    o2, _ = recording.bound((o, None))((torch.randn(3), torch.randn(2, 2)))
+    assert torch.equal(o2.view(-1)[:2], table)
+
+
 UNBOUND = {
     "a copy from outside": (lambda c, a, b: (r := a_call(c, a, b), r[0].view(-1)[:2].copy_(OUTSIDE))[0],
                             "neither an input"),
@@ -218,6 +234,11 @@ def _calls():
         "fp32": lambda: random_inputs(1, 200, H, K, dtype=torch.float32, initial_state=True),
         "parallel segments, FlashKDA's call": lambda: random_inputs(1, 8192, H, K, initial_state=True, l2norm=True,
                                                                     beta_logits=True, state_v_first=True),
+        # One packed sequence with its host copy runs as B = 1: parallel segments, a pool slot or a mask.
+        "parallel segments, a pool slot": lambda: pool_call([8192], [2], 4, has=[True]),
+        "parallel segments, has_initial_state": lambda: {
+            **random_inputs(1, 8192, H, K, seqlens=[8192], initial_state=True),
+            "has_initial_state": torch.tensor([False], device="cuda")},
     }, {
         "decode, dense states": lambda: {**decode_call([1, 3, 0, 2], None, 0),
                                          "initial_state": torch.randn(4, H, K, K, device="cuda"),
@@ -227,7 +248,8 @@ def _calls():
 
 
 CALL_NAMES = ["dense", "FlashKDA's call", "softplus, bf16 gate parameters", "packed, one-token sequences routed",
-              "a pool", "checkpoints", "fp32", "parallel segments, FlashKDA's call", "decode, dense states",
+              "a pool", "checkpoints", "fp32", "parallel segments, FlashKDA's call", "parallel segments, a pool slot",
+              "parallel segments, has_initial_state", "decode, dense states",
               "decode, a pool in place"]
 
 
