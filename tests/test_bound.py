@@ -99,37 +99,24 @@ def test_bound_keeps_no_tensor_of_the_recorded_call(stand_ins):
     assert all(ref() is None for ref in kept) and replay is not None
 
 
-def test_a_copy_between_the_calls_tensors_is_replayed_in_its_place(stand_ins):
-    """A copy from one of the call's tensors into another (a parallel call's final state out of its
-    segments' buffer) is recorded among the launches and replayed on the new tensors."""
-    compiled, tiles = stand_ins
+@pytest.mark.parametrize("source", ["an input", "a constant"])
+def test_a_copy_is_replayed_in_its_place(stand_ins, source):
+    """A copy into a buffer of the call, from one of its inputs (a parallel call's final state out of
+    its segments' buffer) or from a package constant (a slot table beside the call's slot), is
+    recorded among the launches and replayed from the new input, or from the constant itself."""
+    compiled, _ = stand_ins
+    table = launch.constant(torch.tensor([-1.0, -2.0, -3.0]))
 
     def call(a, b):
         o, _ = a_call(compiled, a, b)
-        o.view(-1)[:3].copy_(a)
+        o.view(-1)[:3].copy_(a if source == "an input" else table)
         return o, None
     a, b = torch.randn(3), torch.randn(2, 2)
     (o, _), recording = bound.record(lambda: call(a, b), (a, b))
     assert [kind for kind, *_ in recording.launches] == ["triton", "cutile", "copy"]
     a2 = torch.randn(3)
     o2, _ = recording.bound((o, None))((a2, torch.randn(2, 2)))
-    assert torch.equal(o2.view(-1)[:3], a2)
-
-
-def test_a_copy_from_a_constant_is_replayed_from_it(stand_ins):
-    """A copy from a package constant into a buffer of the call (a parallel call's slot table beside
-    the call's slot) is replayed from the constant itself."""
-    compiled, _ = stand_ins
-    table = launch.constant(torch.tensor([-1.0, -2.0]))
-
-    def call(a, b):
-        o, _ = a_call(compiled, a, b)
-        o.view(-1)[:2].copy_(table)
-        return o, None
-    a, b = torch.randn(3), torch.randn(2, 2)
-    (o, _), recording = bound.record(lambda: call(a, b), (a, b))
-    o2, _ = recording.bound((o, None))((torch.randn(3), torch.randn(2, 2)))
-    assert torch.equal(o2.view(-1)[:2], table)
+    assert torch.equal(o2.view(-1)[:3], a2 if source == "an input" else table)
 
 
 UNBOUND = {
