@@ -245,8 +245,8 @@ def _state_row(plan: Plan) -> tuple[int, int, int]:
 
 
 class _Segments(NamedTuple):
-    """One sequence's parallel segments' int32 device tables (_segment_tables), each a package
-    constant of its own (kda_opt/launch.constant), S segments."""
+    """One sequence's parallel segments' device tables (_segment_tables; int32 but no_reads), each a
+    package constant of its own (kda_opt/launch.constant), S segments."""
     first_bounds: torch.Tensor  # [S] segments 0 .. S − 2's bounds, as cu_seqlens (pass 1)
     middle_bounds: torch.Tensor  # [S − 1] segments 1 .. S − 2's (the transitions)
     last_bounds: torch.Tensor   # [S] segments 1 .. S − 1's (pass 2)
