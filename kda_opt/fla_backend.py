@@ -197,7 +197,9 @@ def _backend_class():
             if return_intermediate_states:
                 if cu_seqlens is not None and cu_seqlens_cpu is None:
                     cu_seqlens_cpu = cu_seqlens.cpu()   # the rows' count: a synchronisation, as in FLA's own path
-                h, passed["checkpoints"] = intermediate_states(q, k, v, cu_seqlens_cpu, state_v_first)
+                B, T = q.shape[:2]
+                rows = B * -(-T // CHUNK) if cu_seqlens_cpu is None else sequence_counts(cu_seqlens_cpu, False).chunks
+                h, passed["checkpoints"] = intermediate_states(v, q.shape[-1], rows, state_v_first, k.dtype)
             # Looked up through the module at each call, so that tests can stand in for kda_forward.
             o, final = forward.kda_forward(
                 q, k, v, g, beta, scale, initial_state, output_final_state,
@@ -213,18 +215,17 @@ def _backend_class():
     return KdaOptBackend
 
 
-def intermediate_states(q, k, v, cu_seqlens_cpu, v_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, checkpoints): FLA's intermediate states h [B, NT, HV, K, V] ([..., V, K] V-first) in k's
-    dtype, row j of a sequence its state before its chunk j (NT = cdiv(T, 64); packed, B = 1 and the
-    rows of sequence n from Σ_{m<n} cdiv(len_m, 64), from the host copy cu_seqlens_cpu), and the
-    buffer kda_forward writes its checkpoints into: the same storage one row on, so that the state
-    after chunk j lands in the row before chunk j + 1. Each sequence's last checkpoint lands in the
-    next sequence's first row (or a spare row past h), which first_rows then writes."""
-    B, T, HV, V = v.shape
-    K = q.shape[-1]
-    rows = B * -(-T // CHUNK) if cu_seqlens_cpu is None else sequence_counts(cu_seqlens_cpu, False).chunks
+def intermediate_states(v, K: int, rows: int, v_first: bool, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, checkpoints): FLA's intermediate states h [B, rows / B, HV, K, V] ([..., V, K] V-first) of
+    `dtype`, row j of a sequence its state before its chunk j (rows: B · cdiv(T, 64); packed, B = 1,
+    Σ_n cdiv(len_n, 64), sequence n's rows from Σ_{m<n} cdiv(len_m, 64), or more: the rows past the
+    last sequence's are left as they are), and the buffer kda_forward writes its checkpoints into: the
+    same storage one row on, so that the state after chunk j lands in the row before chunk j + 1. Each
+    sequence's last checkpoint lands in the next sequence's first row (or a spare row past h), which
+    first_rows then writes."""
+    B, _, HV, V = v.shape
     row = (V, K) if v_first else (K, V)
-    flat = k.new_empty((rows + 1, HV, *row))
+    flat = v.new_empty((rows + 1, HV, *row), dtype=dtype)
     return flat[:rows].view(B, rows // B, HV, *row), flat[1:].view(B, rows // B, HV, *row)
 
 
@@ -237,17 +238,25 @@ def first_rows(h: torch.Tensor, initial_state, has_initial_state, cu_seqlens) ->
     if cu_seqlens is None:
         h[:, 0] = 0 if starts is None else starts
         return
-    # Packed (B = 1): sequence n's row Σ_{m<n} cdiv(len_m, 64), counted on the device; a sequence of
-    # no token has none and writes the spare row past h (its storage's last).
-    rows = h.shape[1]
-    whole = h.as_strided((rows + 1, *h.shape[2:]), h.stride()[1:])
-    lengths = cu_seqlens.diff()
-    chunks = lengths.add(CHUNK - 1).div(CHUNK, rounding_mode="floor")
-    first = torch.where(lengths > 0, chunks.cumsum(0) - chunks, rows)
+    whole, first = spare_rows(h), sequence_rows(cu_seqlens, h.shape[1])
     if starts is None:
         whole.index_fill_(0, first, 0)
     else:
         whole.index_copy_(0, first, starts)
+
+
+def spare_rows(h: torch.Tensor) -> torch.Tensor:
+    """h [1, rows, ...] (intermediate_states, packed) as [rows + 1, ...]: its rows and the spare row
+    past them."""
+    return h.as_strided((h.shape[1] + 1, *h.shape[2:]), h.stride()[1:])
+
+
+def sequence_rows(cu_seqlens: torch.Tensor, rows: int) -> torch.Tensor:
+    """[N]: packed sequence n's first row of intermediate states, Σ_{m<n} cdiv(len_m, 64), counted on
+    the device; `rows` (the spare row) for a sequence of no token, which has none."""
+    lengths = cu_seqlens.diff()
+    chunks = lengths.add(CHUNK - 1).div(CHUNK, rounding_mode="floor")
+    return torch.where(lengths > 0, chunks.cumsum(0) - chunks, rows)
 
 
 @functools.cache
