@@ -15,6 +15,10 @@ try:
 except ImportError:  # Python 3.10
     from pip._vendor import tomli as tomllib
 print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["tileiras"]))')
+# SGLang for the plugin's tests (tests/test_sglang.py), without its dependencies: the modules its KDA
+# kernel imports are in the test extra. An SGLang already installed is left as it is.
+SGLANG=${SGLANG:-sglang==0.5.23}
+"$PY" -c 'import sglang' 2>/dev/null || "$PY" -m pip install -q --no-deps "$SGLANG"
 "$PY" -c 'import torch, triton
 print(f"check.sh: torch {torch.__version__} (CUDA build: {torch.backends.cuda.is_built()}, GPU: "
       f"{torch.cuda.is_available()}), triton {triton.__version__}")'

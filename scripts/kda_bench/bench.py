@@ -16,6 +16,8 @@ Entry point: `python scripts/test.py ...`.
                       with kda_opt registered (kda_bench/model) → <out-dir>/model_<gpu>.csv/.png
     --test cp         long sequences with few heads: kda_forward, its sequential path, FLA and FlashKDA; under
                       torchrun, one sequence split over the GPUs (kda_bench/cp) → <out-dir>/cp_<gpu>.csv
+    --test sglang     SGLang's KDA calls (extend, decode, chain verify) through kda_opt's SGLang kernel and
+                      SGLang's own Triton and FlashKDA kernels (kda_bench/sglang) → <out-dir>/sglang_<gpu>.csv
 What the modes share (the case, the timings, the rows printed and written): kda_bench/common. --sweep and
 --test host, decode, model and cp draw a progress bar on stderr (tqdm; --quiet: none).
 Exit code: 0 when every check passes, 1 when a correctness check fails (--test model: tokens that
@@ -33,7 +35,7 @@ import torch
 
 from kda_opt.reference import ERROR_FLOOR, error_bound, rel_err
 
-from . import cp, decode, host, model, peers, serving
+from . import cp, decode, host, model, peers, serving, sglang
 from .common import (CONFIGS, DTYPES, NOT_RUN, Case, echo, gpu_tag, medians_in_turns, progress, read_csv,
                      write_table)
 from .inputs import DECAYS
@@ -76,7 +78,7 @@ SERVING_STEPS = [((1300, 547, 2048, 963, 271, 3063), 32), (("drawn", 1024, 1), 3
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="scripts/test.py", description=__doc__.splitlines()[0])
-    p.add_argument("--test", choices=["naive", "fla", "benchmark", "all", "host", "cp", "decode", "model"],
+    p.add_argument("--test", choices=["naive", "fla", "benchmark", "all", "host", "cp", "decode", "model", "sglang"],
                    default="all")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=8192)
@@ -540,6 +542,20 @@ def main(argv=None) -> int:
         return refuse("needs a CUDA GPU (none found); the CPU test suite is `bash scripts/check.sh`")
     if args.test == "cp" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return cp.main_across_ranks(args.out_dir, args.quiet)
+    if args.test == "sglang":
+        if importlib.util.find_spec("sglang") is None:
+            return refuse("--test sglang needs SGLang (pip install sglang)")
+        rows = sglang.sglang_rows(args.out_dir, args.warmup, args.rep, args.quiet)
+        print(f"\n{'call':>6} {'H':>3} {'N':>4} {'tokens':>6} {'gate':>8} {'SGLang':>8} {'ours':>8} {'speedup':>7} "
+              f"{'FlashKDA':>8} {'max err':>8} untouched")
+        for r in rows:
+            fkda = r["sglang_flashkda_ms"]
+            print(f"{r['call']:>6} {r['H']:>3} {r['requests']:>4} {r['tokens']:>6} {r['gate']:>8} "
+                  f"{r['sglang_triton_ms']:8.3f} {r['kda_opt_ms']:8.3f} {r['speedup']:7.2f} "
+                  f"{fkda if isinstance(fkda, str) else f'{fkda:8.3f}':>8} {r['max_rel_err']:8.2e} {r['untouched_ok']}")
+        host_time = sglang.host_rows()
+        print("host ms per extend call: " + ", ".join(f"{n} {t:.4f}" for n, t in host_time.items()))
+        return 0 if all(r["untouched_ok"] and r["max_rel_err"] <= ERROR_FLOOR for r in rows) else 1
     fla = peers.fla_chunk_kda()
     if fla is None and (args.sweep or args.test in ("fla", "benchmark", "all", "host", "cp", "decode", "model")):
         return refuse(f"--test {args.test} needs fla-core (pip install 'kda-opt[bench]')")

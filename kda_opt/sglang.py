@@ -1,0 +1,215 @@
+"""kda_opt as SGLang's KDA kernel (sglang 0.5.23): `register` is the `sglang.srt.plugins` entry point
+(pyproject.toml). With SGLANG_KDA_OPT=1 it registers, through SGLang's HookRegistry, a class that
+replaces SGLang's `TritonKDAKernel` (its default KDA kernel on Hopper): wherever SGLang would run its
+Triton kernel, KdaOptKDAKernel runs kda_forward (extend), kda_decode (decode, chain verify) on the
+calls kda_opt computes and SGLang's own Triton code (the class it replaces) on the others
+(docs/USAGE.md, "SGLang"). Without the variable, or without SGLang, nothing is registered and SGLang
+keeps its kernels.
+
+How SGLang's calls map onto kda_opt's (SGLang's KDA backend, `kda_backend.py`):
+- extend: packed `[1, T, H, K]` requests (`query_start_loc`), raw gate with A_log `[1, 1, HV, 1]` and
+  dt_bias `[HV·K]`, β logits (`beta_is_raw`), q/k L2 norm in kernel, the state pool `[slots, HV, V, K]`
+  read and written in place by `cache_indices` (−1: zeros, nothing written); its per-chunk states
+  `h [1, NT, HV, V, K]` in k's dtype (`return_intermediate_states`: each request's state before each
+  of its 64-token chunks) and the fp32 snapshot `track_state[n]` before chunk `track_chunk_idx[n]`.
+- decode: one token per request, gate and β sigmoid in kernel, the pool in place.
+- target_verify (chain): each draft token's state into `intermediate_states_buffer[row, t]`
+  (`[rows, cache_steps, HV, V, K]`), the pool left alone.
+
+sglang is imported by `register` and `kernel_class` only: `import kda_opt` works without it.
+"""
+import functools
+import os
+
+import torch
+
+from . import plan
+from .decode import kda_decode
+from .fla_backend import _on_hopper, first_rows, intermediate_states, sequence_rows, spare_rows
+from .forward import kda_forward
+from .options import CHUNK
+from .plan import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
+
+SWITCH = "SGLANG_KDA_OPT"          # 1: SGLang's Triton KDA kernel is replaced by kda_opt's
+TARGET = "sglang.srt.layers.attention.linear.kernels.kda_triton.TritonKDAKernel"
+
+
+def register() -> None:
+    """The `sglang.srt.plugins` entry point, run by SGLang's `load_plugins` in each of its processes:
+    where SGLANG_KDA_OPT=1, SGLang's TritonKDAKernel is replaced by kernel_class() (a class REPLACE
+    hook, applied by SGLang's HookRegistry with its other hooks)."""
+    if os.environ.get(SWITCH, "0") != "1":
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(TARGET, kernel_class(), HookType.REPLACE)
+
+
+@functools.cache
+def kernel_class():
+    """KdaOptKDAKernel, built once: a subclass of SGLang's TritonKDAKernel (so SGLang's checks that
+    its decode and verify kernel is the Triton one still hold), whose methods run kda_opt where it
+    computes the call and the Triton kernel's own methods elsewhere."""
+    from sglang.srt.layers.attention.linear.kernels.kda_triton import TritonKDAKernel
+
+    class KdaOptKDAKernel(TritonKDAKernel):
+        """SGLang's KDA kernel on kda_opt: extend through kda_forward; decode (steps of up to
+        `decode_requests` requests) and chain verify (where `takes_verify`) through kda_decode, each
+        taken only where it measured at least SGLang's own kernel (docs/USAGE.md, "SGLang"); every other
+        call, and every call off Hopper or with head dims other than 64 and 128, through SGLang's
+        Triton kernel."""
+
+        decode_requests = DECODE_REQUESTS
+        takes_verify = False
+
+        def extend(self, q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, A_log=None,
+                   dt_bias=None, lower_bound=None, beta_is_raw=False, return_intermediate_states=False,
+                   **kwargs):
+            if not computes(q, v, ssm_states):
+                return super().extend(q, k, v, g, beta, ssm_states=ssm_states, cache_indices=cache_indices,
+                                      query_start_loc=query_start_loc, A_log=A_log, dt_bias=dt_bias,
+                                      lower_bound=lower_bound, beta_is_raw=beta_is_raw,
+                                      return_intermediate_states=return_intermediate_states, **kwargs)
+            return extend(q, k, v, g, beta, ssm_states=ssm_states, cache_indices=cache_indices,
+                          query_start_loc=query_start_loc, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                          beta_is_raw=beta_is_raw, return_intermediate_states=return_intermediate_states,
+                          track_state=kwargs.get("track_state"), track_chunk_idx=kwargs.get("track_chunk_idx"),
+                          extend_seq_lens_cpu=kwargs.get("extend_seq_lens_cpu"),
+                          chunk_indices=kwargs.get("chunk_indices"))
+
+        def decode(self, q, k, v, a, b, *, A_log, dt_bias, ssm_states, cache_indices, query_start_loc,
+                   lower_bound=None, **kwargs):
+            if not (query_start_loc.shape[0] - 1 <= self.decode_requests and computes(q, v, ssm_states)):
+                return super().decode(q, k, v, a, b, A_log=A_log, dt_bias=dt_bias, ssm_states=ssm_states,
+                                      cache_indices=cache_indices, query_start_loc=query_start_loc,
+                                      lower_bound=lower_bound, **kwargs)
+            return decode(q, k, v, a, b, A_log=A_log, dt_bias=dt_bias, ssm_states=ssm_states,
+                          cache_indices=cache_indices, query_start_loc=query_start_loc, lower_bound=lower_bound)
+
+        def target_verify(self, A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, query_start_loc,
+                          intermediate_states_buffer, intermediate_state_indices, cache_steps,
+                          retrieve_parent_token, lower_bound=None, **kwargs):
+            # A tree (retrieve_parent_token) and the ReplaySSM ring (cache_ring and its buffers) are
+            # SGLang's Triton kernel's alone.
+            if not (self.takes_verify and retrieve_parent_token is None and not kwargs.get("cache_ring")
+                    and computes(q, v, ssm_states)):
+                return super().target_verify(
+                    A_log, dt_bias, q, k, v, a, b, ssm_states=ssm_states, cache_indices=cache_indices,
+                    query_start_loc=query_start_loc, intermediate_states_buffer=intermediate_states_buffer,
+                    intermediate_state_indices=intermediate_state_indices, cache_steps=cache_steps,
+                    retrieve_parent_token=retrieve_parent_token, lower_bound=lower_bound, **kwargs)
+            return verify(q, k, v, a, b, A_log=A_log, dt_bias=dt_bias, ssm_states=ssm_states,
+                          cache_indices=cache_indices, query_start_loc=query_start_loc,
+                          intermediate_states_buffer=intermediate_states_buffer,
+                          intermediate_state_indices=intermediate_state_indices, cache_steps=cache_steps,
+                          lower_bound=lower_bound)
+
+    return KdaOptKDAKernel
+
+
+# The largest decode step (requests) KdaOptKDAKernel takes: kda_decode measured at least SGLang's decode
+# kernel at 64 requests and below it at 256 (docs/BENCHMARKING.md, "SGLang").
+DECODE_REQUESTS = 64
+
+
+def computes(q: torch.Tensor, v: torch.Tensor, ssm_states: torch.Tensor) -> bool:
+    """Whether kda_opt computes an SGLang call on these tensors: on Hopper, q of a dtype and q, v of
+    head dims it takes, a pool of a dtype it takes."""
+    return (_on_hopper(q.device) and q.dtype in SUPPORTED_DTYPES and ssm_states.dtype in SUPPORTED_DTYPES
+            and q.shape[-1] in SUPPORTED_HEAD_DIMS and v.shape[-1] in SUPPORTED_HEAD_DIMS)
+
+
+def _gate(A_log, dt_bias, lower_bound) -> dict:
+    """kda_forward's and kda_decode's gate arguments for SGLang's: the gate activated here where A_log
+    is given (SGLang's A_log is [1, 1, HV, 1]), the bounded gate where lower_bound is."""
+    return dict(use_gate_in_kernel=A_log is not None, A_log=None if A_log is None else A_log.reshape(-1),
+                dt_bias=dt_bias, lower_bound=lower_bound)
+
+
+def extend(q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, A_log, dt_bias, lower_bound,
+           beta_is_raw, return_intermediate_states, track_state, track_chunk_idx, extend_seq_lens_cpu,
+           chunk_indices):
+    """SGLang's extend through kda_forward: o [1, T, HV, V], or (o, h) with return_intermediate_states
+    (module docstring); the pool and track_state written in place.
+
+    The host lengths (extend_seq_lens_cpu) go to kda_forward only where they choose its schedule: one
+    request (which then runs as one sequence, in parallel segments where they pay), or a request long
+    enough to be cut (plan.CUT_FROM); any other call is bound (its launches replayed) without them."""
+    cu_seqlens_cpu = None
+    if extend_seq_lens_cpu is not None and (len(extend_seq_lens_cpu) == 1
+                                            or max(extend_seq_lens_cpu) >= plan.CUT_FROM):
+        cu_seqlens_cpu = torch.tensor([0, *extend_seq_lens_cpu]).cumsum(0)
+    states = track_state is not None or return_intermediate_states
+    h = checkpoints = None
+    if states:
+        # The pool's rows before the call, which overwrites them: each request's state before its first chunk.
+        slots = ssm_states.shape[0]
+        starts = ssm_states.index_select(0, cache_indices.clamp(0, slots - 1))
+        live = (cache_indices >= 0) & (cache_indices < slots)
+        rows = _chunk_rows(q.shape[1], query_start_loc, extend_seq_lens_cpu, chunk_indices)
+        # h in k's dtype, as SGLang's; the states snapshot exactly (fp32) where track_state asks for them.
+        h, checkpoints = intermediate_states(v, q.shape[-1], rows, True,
+                                             k.dtype if track_state is None else torch.float32)
+    o, _ = kda_forward(q, k, v, g, beta, initial_state=ssm_states, use_qk_l2norm_in_kernel=True,
+                       use_beta_sigmoid_in_kernel=beta_is_raw, safe_gate=lower_bound is not None,
+                       **_gate(A_log, dt_bias, lower_bound), state_v_first=True, cu_seqlens=query_start_loc,
+                       cu_seqlens_cpu=cu_seqlens_cpu, initial_state_indices=cache_indices,
+                       checkpoints=checkpoints)
+    if not states:
+        return o
+    first_rows(h, starts, live, query_start_loc)
+    if track_state is not None:
+        # Request n's state before its chunk track_chunk_idx[n]; a request not tracked (−1) gets some row.
+        row = sequence_rows(query_start_loc, rows) + track_chunk_idx.to(query_start_loc.dtype)
+        whole = spare_rows(h)
+        torch.index_select(whole, 0, row.clamp(0, rows), out=track_state[:row.shape[0]])
+        h = h.to(k.dtype)
+    return (o, h) if return_intermediate_states else o
+
+
+def _chunk_rows(T: int, query_start_loc, extend_seq_lens_cpu, chunk_indices) -> int:
+    """Σ_n cdiv(len_n, 64), the rows of SGLang's h: from the host lengths, or the chunk table SGLang
+    passed (its row count; a graph's is padded, more than enough), or cdiv(T, 64) + N − 1 (enough for
+    any lengths)."""
+    if extend_seq_lens_cpu is not None:
+        return int(sum(-(-n // CHUNK) for n in extend_seq_lens_cpu))
+    if chunk_indices is not None:
+        return chunk_indices.shape[0]
+    return -(-T // CHUNK) + query_start_loc.shape[0] - 2
+
+
+def decode(q, k, v, a, b, *, A_log, dt_bias, ssm_states, cache_indices, query_start_loc, lower_bound):
+    """SGLang's decode through kda_decode: o [1, N, HV, V]; each request's state read from and written
+    to pool[cache_indices[n]] (−1: zeros, nothing written)."""
+    o, _ = kda_decode(q, k, v, a.reshape(v.shape[:-1] + (q.shape[-1],)), b, scale=None, initial_state=ssm_states,
+                      use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, **_gate(A_log, dt_bias, lower_bound),
+                      state_v_first=True, cu_seqlens=query_start_loc, inplace_final_state=True,
+                      ssm_state_indices=cache_indices)
+    return o
+
+
+def verify(q, k, v, a, b, *, A_log, dt_bias, ssm_states, cache_indices, query_start_loc,
+           intermediate_states_buffer, intermediate_state_indices, cache_steps, lower_bound):
+    """SGLang's chain verify through kda_decode: o [1, T, HV, V]; request n's state after its draft
+    token t into intermediate_states_buffer[intermediate_state_indices[n], t], the pool only read.
+
+    kda_decode reads and writes one pool: here the buffer, its rows [rows · cache_steps, HV, V, K].
+    Request n's start (pool[cache_indices[n]], zeros for −1) is first copied into its row of its last
+    token, which kda_decode reads first and overwrites last; its tokens' states go to the rows after
+    intermediate_state_indices[n] · cache_steps. SGLang gives padding requests a discard row of their
+    own (they write zeros there, as its kernel does)."""
+    N = query_start_loc.shape[0] - 1
+    buffer = intermediate_states_buffer.view(-1, *intermediate_states_buffer.shape[2:])
+    slots = ssm_states.shape[0]
+    live = (cache_indices[:N] >= 0) & (cache_indices[:N] < slots)
+    starts = ssm_states.index_select(0, cache_indices[:N].clamp(0, slots - 1))
+    starts = torch.where(live.view(-1, 1, 1, 1), starts, 0).to(buffer.dtype)
+    base = intermediate_state_indices[:N].to(torch.int64) * cache_steps
+    last = query_start_loc.diff().clamp(1, cache_steps) - 1
+    buffer.index_copy_(0, base + last, starts)
+    columns = base.view(-1, 1) + torch.arange(cache_steps, device=base.device)
+    o, _ = kda_decode(q, k, v, a.reshape(v.shape[:-1] + (q.shape[-1],)), b, scale=None, initial_state=buffer,
+                      use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, **_gate(A_log, dt_bias, lower_bound),
+                      state_v_first=True, cu_seqlens=query_start_loc, inplace_final_state=True,
+                      ssm_state_indices=columns, num_accepted_tokens=last + 1)
+    return o

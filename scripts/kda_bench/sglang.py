@@ -1,0 +1,192 @@
+"""SGLang's KDA calls through kda_opt's kernel and SGLang's own (`--test sglang`, docs/BENCHMARKING.md):
+the calls SGLang's KDA backend makes (sglang 0.5.23, `kda_backend.py`), built here as it builds them,
+through kda_opt.sglang's KdaOptKDAKernel and SGLang's TritonKDAKernel (the oracle and the peer), and
+SGLang's FlashKDAKernel where flash_kda is importable.
+
+    extend   requests packed along T (query_start_loc), raw q/k (L2 norm in kernel), raw gate with
+             A_log [1, 1, H, 1] = log U(1, 16) and dt_bias [H·K] ~ N(0, 1) (fast decay), β logits; an fp32
+             pool [slots, H, V, K] read and written in place by cache_indices: every other request new
+             (its row zeros, as SGLang hands a new request), one padding request (−1) where asked
+    decode   one token per request, a [N, H·K] gate, two padding requests (−1)
+    verify   chain verify: T draft tokens per request, each token's state into
+             intermediate_states_buffer[request, t], the pool only read
+Kimi-Linear's calls take the softplus gate (no lower bound), K3's the safe gate (lower bound −5).
+Rows: `call, H, requests, tokens, gate, sglang_triton_ms, kda_opt_ms, speedup, sglang_flashkda_ms,
+max_rel_err, untouched_ok` to <out-dir>/sglang_<gpu>.csv; max_rel_err: kda_opt against SGLang's Triton
+kernel, the largest of o's and the named pool (or buffer) rows' relative errors; untouched_ok: every
+pool row not named left bit for bit as it was (both kernels).
+"""
+import torch
+
+from .common import NOT_RUN, host_ms, medians_in_turns, progress, show, write_rows
+
+K = 128
+GATES = {"softplus": None, "safe": -5.0}
+# (call, H, requests, tokens per step, gate): Kimi-Linear (softplus, 32 / 16 / 8 heads a GPU at TP 1 / 2 /
+# 4) and K3 (safe, 24 / 12 heads at TP 4 / 8) at chunked-prefill sizes, decode at 64 and 256 requests,
+# verify at 4 draft tokens.
+ROWS = ([("extend", H, n, T, "softplus") for H in (32, 16, 8) for n, T in ((1, 2048), (4, 8192), (8, 32768))]
+        + [("extend", H, n, T, "safe") for H in (24, 12) for n, T in ((1, 2048), (4, 8192), (8, 32768))]
+        + [("decode", H, n, n, gate) for H, gate in ((32, "softplus"), (12, "safe")) for n in (64, 256)]
+        + [("verify", H, n, 4 * n, gate) for H, gate in ((32, "softplus"), (12, "safe")) for n in (64,)])
+FIELDS = ["call", "H", "requests", "tokens", "gate", "sglang_triton_ms", "kda_opt_ms", "speedup",
+          "sglang_flashkda_ms", "max_rel_err", "untouched_ok"]
+
+
+def lengths(requests: int, tokens: int, seed: int = 0) -> list[int]:
+    """`requests` lengths summing to `tokens`, unequal (a lognormal draw), none shorter than 1."""
+    if requests == 1:
+        return [tokens]
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.empty(requests).log_normal_(0.0, 1.0, generator=gen)
+    lens = (w / w.sum() * (tokens - requests)).floor().long() + 1
+    lens[0] += tokens - int(lens.sum())
+    return lens.tolist()
+
+
+def step(call: str, H: int, lens: list[int], gate: str, *, pad: bool = False, draft: int = 4, seed: int = 0,
+         device: str = "cuda") -> dict:
+    """The arguments SGLang's KDA backend passes its kernel for one call (module docstring), as a dict
+    with `call` and `method`: for extend, `lens` are the requests' lengths (pad: one more request of
+    100 tokens on slot −1); for decode and verify, len(lens) is the number of requests."""
+    gen = torch.Generator().manual_seed(seed)
+    randn = lambda *s: torch.randn(*s, generator=gen)
+    N = len(lens)
+    if call == "decode":
+        lens = [1] * N
+    if call == "verify":
+        lens = [draft] * N
+    if call == "extend" and pad:
+        lens = [*lens, 100]
+    T = sum(lens)
+    slots = 2 * len(lens) + 8
+    pool = randn(slots, H, K, K)
+    index = torch.randperm(slots, generator=gen)[:len(lens)]
+    if call == "extend":
+        pool[index[1::2]] = 0                       # new requests: SGLang hands them a zeroed row
+    if pad or call == "decode":
+        index[-2 if call == "decode" else -1:] = -1
+    qsl = torch.tensor([0, *lens]).cumsum(0)
+    A_log = torch.empty(1, 1, H, 1).uniform_(1.0, 16.0, generator=gen).log()
+    a = randn(T, H * K)
+    # q, k, v split from the short convolution's one output, as SGLang's backend hands them on (views:
+    # SGLang's Triton kernel writes o into a contiguous copy of v, never into the caller's tensor).
+    mixed = randn(T, 3 * H * K).to(device, torch.bfloat16)
+    q, k, v = (x.unflatten(-1, (H, K)).unsqueeze(0) for x in mixed.split(H * K, dim=-1))
+    args = dict(beta=randn(1, T, H), A_log=A_log, dt_bias=randn(H * K), ssm_states=pool,
+                cache_indices=index.int(), query_start_loc=qsl.int(), lower_bound=GATES[gate])
+    if call == "extend":
+        args.update(g=a.view(1, T, H, K), beta_is_raw=True, extend_seq_lens_cpu=lens)
+    else:
+        args.update(a=a)
+    if call == "verify":
+        args.update(intermediate_states_buffer=torch.zeros(N + 1, draft, H, K, K),
+                    intermediate_state_indices=torch.arange(N, dtype=torch.int32), cache_steps=draft,
+                    retrieve_parent_token=None)
+    low = ("g", "a", "beta")
+    args = {n: (x.to(device, torch.bfloat16 if n in low else None) if isinstance(x, torch.Tensor) else x)
+            for n, x in args.items()}
+    return {"call": call, "q": q, "k": k, "v": v, **args}
+
+
+def run(kernel, call: dict):
+    """Runs `call` (step) through `kernel`'s method for it on a copy of its pool (and buffer):
+    (its result, the pool after, the buffer after or None)."""
+    args = {n: x for n, x in call.items() if n != "call"}
+    args["ssm_states"] = args["ssm_states"].clone()
+    if call["call"] == "verify":
+        args["intermediate_states_buffer"] = args["intermediate_states_buffer"].clone()
+    out = run_in_place(kernel, call["call"], args)
+    return out, args["ssm_states"], args.get("intermediate_states_buffer")
+
+
+def compare(ours, theirs, call: dict) -> tuple[float, bool]:
+    """(largest relative error of kda_opt's kernel against SGLang's over o and the named pool or
+    buffer rows, whether every pool row not named is left as it was by both)."""
+    from kda_opt.reference import rel_err
+    (o, pool, buf), (o_ref, pool_ref, buf_ref) = run(ours, call), run(theirs, call)
+    o, o_ref = (x[0] if isinstance(x, tuple) else x for x in (o, o_ref))
+    errors = [rel_err(o, o_ref)]
+    index = call["cache_indices"].long()
+    named = index[index >= 0]
+    if call["call"] == "verify":
+        errors.append(rel_err(buf, buf_ref))
+    else:
+        errors.append(rel_err(pool[named], pool_ref[named]))
+    untouched = torch.ones(pool.shape[0], dtype=torch.bool, device=pool.device)
+    if call["call"] != "verify":
+        untouched[named] = False
+    before = call["ssm_states"]
+    same = all(torch.equal(p[untouched], before[untouched]) for p in (pool, pool_ref))
+    return max(errors), same
+
+
+def flashkda_kernel():
+    """SGLang's FlashKDAKernel where flash_kda is importable, else None."""
+    try:
+        import flash_kda  # noqa: F401
+        from sglang.srt.layers.attention.linear.kernels.kda_flashkda import FlashKDAKernel
+    except ImportError:
+        return None
+    return FlashKDAKernel()
+
+
+def kernels():
+    """(kda_opt's kernel, SGLang's Triton kernel): KdaOptKDAKernel and the TritonKDAKernel it replaces."""
+    from kda_opt.sglang import kernel_class
+    ours = kernel_class()
+    return ours(), ours.__mro__[1]()
+
+
+def timed(kernel, call: dict):
+    """A step() of `call` through `kernel`, on the call's own pool (each run continues it)."""
+    args = {n: x for n, x in call.items() if n != "call"}
+    return lambda: run_in_place(kernel, call["call"], args)
+
+
+def run_in_place(kernel, name: str, args: dict):
+    """`kernel`'s method for the call `name` on `args` (step's, without `call`), as SGLang's backend
+    calls it: the tensors positionally, the rest by keyword."""
+    a = dict(args)
+    if name == "verify":
+        return kernel.target_verify(a.pop("A_log"), a.pop("dt_bias"), a.pop("q"), a.pop("k"), a.pop("v"),
+                                    a.pop("a"), a.pop("beta"), **a)
+    gate = a.pop("g" if name == "extend" else "a")
+    method = kernel.extend if name == "extend" else kernel.decode
+    return method(a.pop("q"), a.pop("k"), a.pop("v"), gate, a.pop("beta"), **a)
+
+
+@torch.inference_mode()
+def sglang_rows(out_dir, warmup=25, rep=100, quiet=False):
+    """Measures every row of ROWS (a progress bar unless quiet), writes <out_dir>/sglang_<gpu>.csv and
+    returns the rows. kda_opt's kernel runs every decode and verify call itself here, whatever it
+    takes by default, so that the rows say where it should."""
+    ours, triton = kernels()
+    ours.decode_requests, ours.takes_verify = max(r[2] for r in ROWS), True
+    flashkda = flashkda_kernel()
+    rows = []
+    label = lambda r: f"{r[0]} H={r[1]} N={r[2]} T={r[3]} {r[4]}"
+    for name, H, requests, tokens, gate in progress(ROWS, label, quiet):
+        call = step(name, H, lengths(requests, tokens) if name == "extend" else [1] * requests, gate)
+        err, same = compare(ours, triton, call)
+        runs = {"kda_opt": timed(ours, call), "sglang_triton": timed(triton, call)}
+        if flashkda is not None and name == "extend" and gate == "safe":
+            runs["sglang_flashkda"] = timed(flashkda, call)
+        ms = medians_in_turns(runs, warmup, rep)
+        row = dict(call=name, H=H, requests=requests, tokens=tokens, gate=gate,
+                   sglang_triton_ms=ms["sglang_triton"], kda_opt_ms=ms["kda_opt"],
+                   speedup=ms["sglang_triton"] / ms["kda_opt"], sglang_flashkda_ms=ms.get("sglang_flashkda", NOT_RUN),
+                   max_rel_err=err, untouched_ok=same)
+        show(row)
+        rows.append(row)
+    write_rows(rows, out_dir, "sglang", FIELDS)
+    return rows
+
+
+def host_rows(quiet=False):
+    """Host time per call (common.host_ms) of the serving extend call at (4 requests, 2048 tokens, H 12):
+    {system: ms}."""
+    ours, triton = kernels()
+    call = step("extend", 12, lengths(4, 2048), "safe")
+    with torch.inference_mode():
+        return host_ms({"kda_opt": timed(ours, call), "sglang_triton": timed(triton, call)})

@@ -1,0 +1,273 @@
+"""kda_opt as SGLang's KDA kernel (kda_opt/sglang): the plugin's registration through SGLang's own entry
+points and HookRegistry, the kernel's methods against SGLang's base class, which calls it takes and how
+it maps them onto kda_forward (CPU, kda_forward stood in for); on the GPU, SGLang's own calls through
+it against SGLang's TritonKDAKernel (the oracle) and the float64 recurrence."""
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kda_opt import sglang as plugin
+from kda_opt.reference import ERROR_FLOOR, error_bound, reference_decode, reference_forward
+from tests.conftest import gpu, rel_err
+
+pytest.importorskip("sglang")
+from sglang.srt.layers.attention.linear.kernels import kda_triton  # noqa: E402  sglang is a test dependency
+from sglang.srt.layers.attention.linear.kernels.kernel_backend import LinearAttnKernelBase  # noqa: E402
+from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: E402
+
+from kda_bench import sglang as calls  # noqa: E402
+
+
+@pytest.fixture
+def registry():
+    """SGLang's HookRegistry, emptied before and after (and TritonKDAKernel restored)."""
+    original = kda_triton.TritonKDAKernel
+    HookRegistry.reset()
+    yield HookRegistry
+    HookRegistry.reset()
+    kda_triton.TritonKDAKernel = original
+
+
+# ---- the plugin ----
+
+def test_register_needs_the_switch(registry, monkeypatch):
+    monkeypatch.delenv(plugin.SWITCH, raising=False)
+    plugin.register()
+    monkeypatch.setenv(plugin.SWITCH, "0")
+    plugin.register()
+    assert plugin.TARGET not in registry._hooks
+
+
+def test_register_replaces_the_triton_kernel(registry, monkeypatch):
+    monkeypatch.setenv(plugin.SWITCH, "1")
+    plugin.register()
+    registry.apply_hooks()
+    assert kda_triton.TritonKDAKernel is plugin.kernel_class()
+    assert plugin.kernel_class().__mro__[1].__name__ == "TritonKDAKernel"
+
+
+def test_sglang_loads_the_plugin_from_its_entry_point():
+    """SGLang's own load_plugins, in a fresh process, finds kda_opt's entry point (pyproject.toml) and,
+    with the switch, its kernel replaces TritonKDAKernel; without the switch SGLang keeps its own."""
+    code = ("from sglang.srt.plugins import load_plugins; load_plugins()\n"
+            "from sglang.srt.layers.attention.linear.kernels import kda_triton\n"
+            "print(kda_triton.TritonKDAKernel.__name__)")
+    names = []
+    for switch in ("1", "0"):
+        env = {**os.environ, plugin.SWITCH: switch, "SGLANG_PLUGINS": "kda_opt"}
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+        assert run.returncode == 0, run.stderr[-2000:]
+        names.append(run.stdout.split()[-1])
+    assert names == ["KdaOptKDAKernel", "TritonKDAKernel"]
+
+
+def test_import_needs_no_sglang():
+    code = "import sys, kda_opt.sglang; print('sglang' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["False"]
+
+
+@pytest.mark.parametrize("method", ["extend", "decode", "target_verify"])
+def test_methods_take_sglang_calls(method):
+    """Each method accepts every parameter of SGLang's base class and of its Triton kernel by the same
+    name and kind (a keyword-only one with a default, such as the ReplaySSM ring's, may come through
+    **kwargs, which pass it on)."""
+    ours = inspect.signature(getattr(plugin.kernel_class(), method)).parameters
+    assert any(p.kind is p.VAR_KEYWORD for p in ours.values())
+    for base in (LinearAttnKernelBase, plugin.kernel_class().__mro__[1]):
+        for name, p in inspect.signature(getattr(base, method)).parameters.items():
+            if p.kind is p.VAR_KEYWORD:
+                continue
+            if name not in ours and p.kind is p.KEYWORD_ONLY and p.default is not p.empty:
+                continue
+            assert name in ours, f"{method} lacks {name}"
+            assert ours[name].kind is p.kind, f"{method}'s {name} is {ours[name].kind}, SGLang's {p.kind}"
+            if p.default is not p.empty:
+                assert ours[name].default == p.default, name
+
+
+# ---- which calls it takes, and how (CPU: the SGLang side and kda_forward stood in for) ----
+
+@pytest.fixture
+def sglang_own(monkeypatch):
+    """Records the calls that reach SGLang's own Triton kernel methods (stood in for)."""
+    seen = []
+    base = plugin.kernel_class().__mro__[1]
+    for name in ("extend", "decode", "target_verify"):
+        monkeypatch.setattr(base, name, lambda self, *a, _n=name, **kw: seen.append((_n, a, kw)) or "sglang")
+    return seen
+
+
+def test_off_hopper_every_call_is_sglangs(sglang_own):
+    kernel = plugin.kernel_class()()
+    kernel.takes_verify = True
+    call = calls.step("extend", 2, [70, 5], "safe", device="cpu")
+    assert calls.run_in_place(kernel, "extend", {n: x for n, x in call.items() if n != "call"}) == "sglang"
+    for name in ("decode", "verify"):
+        call = calls.step(name, 2, [1, 1, 1], "softplus", device="cpu")
+        assert calls.run_in_place(kernel, name, {n: x for n, x in call.items() if n != "call"}) == "sglang"
+    assert [s[0] for s in sglang_own] == ["extend", "decode", "target_verify"]
+    assert sglang_own[0][2]["extend_seq_lens_cpu"] == [70, 5]      # passed on whole
+
+
+@pytest.fixture
+def stood_in(monkeypatch):
+    """kda_forward and kda_decode stood in for on the plugin's side (their keyword arguments recorded),
+    the device taken as Hopper."""
+    seen = {}
+
+    def forward(*args, **kw):
+        seen["forward"] = (args, kw)
+        return torch.zeros_like(args[2]), None
+
+    def decode(*args, **kw):
+        seen["decode"] = (args, kw)
+        return torch.zeros_like(args[2]), None
+    monkeypatch.setattr(plugin, "_on_hopper", lambda device: True)
+    monkeypatch.setattr(plugin, "kda_forward", forward)
+    monkeypatch.setattr(plugin, "kda_decode", decode)
+    return seen
+
+
+@pytest.mark.parametrize("gate", ["safe", "softplus"])
+def test_extend_maps_sglangs_call_onto_kda_forward(stood_in, sglang_own, gate):
+    call = calls.step("extend", 2, [70, 5], gate, device="cpu", pad=True)
+    kernel = plugin.kernel_class()()
+    o = calls.run_in_place(kernel, "extend", {n: x for n, x in call.items() if n != "call"})
+    assert not sglang_own and o.shape == call["v"].shape
+    args, kw = stood_in["forward"]
+    assert args[:5] == tuple(call[n] for n in ("q", "k", "v", "g", "beta"))
+    assert kw["initial_state"] is call["ssm_states"] and kw["initial_state_indices"] is call["cache_indices"]
+    assert kw["cu_seqlens"] is call["query_start_loc"] and kw["state_v_first"]
+    assert kw["use_qk_l2norm_in_kernel"] and kw["use_beta_sigmoid_in_kernel"] and kw["use_gate_in_kernel"]
+    assert kw["A_log"].shape == (2,) and kw["dt_bias"] is call["dt_bias"]
+    assert kw["lower_bound"] == calls.GATES[gate] and kw["safe_gate"] == (gate == "safe")
+    assert kw["checkpoints"] is None
+    # Three requests, none long enough to be cut: no host lengths (the call stays bound).
+    assert kw["cu_seqlens_cpu"] is None
+
+
+def test_one_request_passes_its_host_lengths(stood_in):
+    call = calls.step("extend", 2, [300], "safe", device="cpu")
+    calls.run_in_place(plugin.kernel_class()(), "extend", {n: x for n, x in call.items() if n != "call"})
+    assert stood_in["forward"][1]["cu_seqlens_cpu"].tolist() == [0, 300]
+
+
+def test_decode_taken_only_where_measured(stood_in, sglang_own):
+    """Steps of up to DECODE_REQUESTS requests through kda_decode, larger ones through SGLang's."""
+    kernel = plugin.kernel_class()()
+    assert kernel.decode_requests == plugin.DECODE_REQUESTS
+    for n in (plugin.DECODE_REQUESTS + 1, 3):
+        call = calls.step("decode", 2, [1] * n, "safe", device="cpu")
+        out = calls.run_in_place(kernel, "decode", {n: x for n, x in call.items() if n != "call"})
+    assert [s[0] for s in sglang_own] == ["decode"] and out.shape == call["v"].shape
+    _, kw = stood_in["decode"]
+    assert stood_in["decode"][0][3].shape == (1, 3, 2, calls.K)      # SGLang's [N, H·K] gate, per head
+    assert kw["ssm_state_indices"] is call["cache_indices"] and kw["inplace_final_state"] and kw["state_v_first"]
+    assert kw["use_beta_sigmoid_in_kernel"] and kw["lower_bound"] == -5.0
+
+
+def test_tree_verify_is_sglangs(stood_in, sglang_own):
+    call = calls.step("verify", 2, [1] * 3, "safe", device="cpu")
+    kernel = plugin.kernel_class()()
+    kernel.takes_verify = True
+    args = {n: x for n, x in call.items() if n != "call"}
+    args["retrieve_parent_token"] = torch.zeros(3, 4, dtype=torch.long)
+    assert calls.run_in_place(kernel, "verify", args) == "sglang"
+    assert "decode" not in stood_in
+
+
+# ---- on the GPU: SGLang's calls through both kernels ----
+
+def _reference(call):
+    """float64 (o, the states each request leaves) of an extend or decode call (kda_opt/reference)."""
+    idx = call["cache_indices"].long()
+    pool = call["ssm_states"]
+    starts = torch.where((idx >= 0).view(-1, 1, 1, 1), pool[idx.clamp(min=0)], 0)
+    common = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                  A_log=call["A_log"].reshape(-1), dt_bias=call["dt_bias"], lower_bound=call["lower_bound"],
+                  state_v_first=True, cu_seqlens=call["query_start_loc"])
+    if call["call"] == "extend":
+        return reference_forward(call["q"], call["k"], call["v"], call["g"], call["beta"], initial_state=starts,
+                                 output_final_state=True, method="chunked", **common)
+    g = call["a"].view(*call["v"].shape[:-1], -1)
+    return reference_decode(call["q"], call["k"], call["v"], g, call["beta"], initial_state=starts,
+                            output_final_state=True, **common)
+
+
+@gpu
+@pytest.mark.parametrize("gate,H", [("softplus", 32), ("softplus", 16), ("softplus", 8), ("safe", 24), ("safe", 12)])
+@pytest.mark.parametrize("name", ["extend", "decode"])
+def test_sglang_calls_match_the_recurrence_and_sglang(gate, H, name):
+    """Kimi-Linear's (softplus) and K3's (safe) calls: several requests, some new, one padding slot;
+    kda_opt's o and the named pool rows within FLA's bound of the float64 recurrence where SGLang's
+    Triton kernel's error sets it, every other pool row untouched."""
+    ours, triton = calls.kernels()
+    lens = [700, 64, 1, 333, 129] if name == "extend" else [1] * 16
+    call = calls.step(name, H, lens, gate, pad=name == "extend")
+    (o, pool, _), (o_t, pool_t, _) = calls.run(ours, call), calls.run(triton, call)
+    o_ref, S_ref = _reference(call)
+    idx = call["cache_indices"].long()
+    live = idx >= 0
+    # SGLang's Triton kernel stands in for FLA's error, its own capped at the floor: a wrong peer
+    # loosens nothing.
+    err, err_t = rel_err(o, o_ref), rel_err(o_t, o_ref)
+    assert err <= error_bound(min(err_t, ERROR_FLOOR)), (err, err_t)
+    s_err, s_err_t = rel_err(pool[idx[live]], S_ref[live]), rel_err(pool_t[idx[live]], S_ref[live])
+    assert s_err <= error_bound(min(s_err_t, ERROR_FLOOR)), (s_err, s_err_t)
+    _, same = calls.compare(ours, triton, call)
+    assert same
+
+
+@gpu
+@pytest.mark.parametrize("gate", ["softplus", "safe"])
+def test_intermediate_and_tracked_states_match_sglang(gate):
+    """return_intermediate_states (h, each request's state before each chunk, in k's dtype) and the
+    fp32 track snapshot before a chosen chunk (−1: none), as SGLang's prefix cache asks for them."""
+    ours, triton = calls.kernels()
+    call = calls.step("extend", 12, [700, 64, 1, 333, 129], gate)
+    call.update(return_intermediate_states=True, extend_seq_lens_cpu=[700, 64, 1, 333, 129],
+                track_chunk_idx=torch.tensor([10, 0, -1, 2, 1], dtype=torch.int32, device="cuda"))
+    results = []
+    for kernel in (ours, triton):
+        track = torch.full((5, 12, calls.K, calls.K), float("nan"), device="cuda")
+        (o, h), pool, _ = calls.run(kernel, {**call, "track_state": track})
+        results.append((o, h, track, pool))
+    (o, h, track, pool), (o_t, h_t, track_t, pool_t) = results
+    assert h.shape == h_t.shape and h.dtype == h_t.dtype
+    assert rel_err(h, h_t) <= error_bound()
+    tracked = call["track_chunk_idx"] >= 0
+    assert rel_err(track[tracked], track_t[tracked]) <= error_bound()
+    # o against the recurrence: two chunked kernels' outputs may differ by the sum of their errors.
+    o_ref, _ = _reference(call)
+    assert rel_err(o, o_ref) <= error_bound(min(rel_err(o_t, o_ref), ERROR_FLOOR))
+
+
+@gpu
+@pytest.mark.parametrize("gate", ["softplus", "safe"])
+def test_chain_verify_matches_sglang(gate):
+    """Chain verify: each draft token's state into the buffer, the pool only read (bit for bit)."""
+    ours, triton = calls.kernels()
+    ours.takes_verify = True
+    call = calls.step("verify", 12, [1] * 8, gate)
+    (o, pool, buf), (o_t, pool_t, buf_t) = calls.run(ours, call), calls.run(triton, call)
+    assert rel_err(o, o_t) <= error_bound()
+    assert rel_err(buf, buf_t) <= error_bound()
+    assert torch.equal(pool, call["ssm_states"]) and torch.equal(pool_t, call["ssm_states"])
+
+
+@gpu
+def test_bad_input_raises_before_any_kernel():
+    ours, _ = calls.kernels()
+    call = calls.step("extend", 12, [100, 28], "safe")
+    call["beta"] = call["beta"][..., :5]
+    before = call["ssm_states"].clone()
+    with pytest.raises(ValueError, match="beta"):
+        calls.run_in_place(ours, "extend", {n: x for n, x in call.items() if n != "call"})
+    torch.cuda.synchronize()
+    assert torch.equal(call["ssm_states"], before)
