@@ -322,12 +322,26 @@ def test_plot_before_any_h32_row(tmp_path, recwarn):
     assert not [w for w in recwarn if "legend" in str(w.message)]
 
 
-@pytest.mark.parametrize("test", ["naive", "fla", "benchmark", "all", "host", "cp", "decode", "model"])
+@pytest.mark.parametrize("test", ["naive", "fla", "benchmark", "all", "host", "cp", "decode", "model", "sglang"])
 def test_refuses_without_gpu(monkeypatch, capsys, test):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench.main(["--test", test]) == 2
     err = capsys.readouterr().err
     assert "GPU" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("err,same,rc", [(9e-3, True, 0), (1.1e-2, True, 1), (1e-3, False, 1)])
+def test_sglang_mode_fails_on_a_row_apart_or_touched(monkeypatch, capsys, err, same, rc):
+    """--test sglang exits 1 where kda_opt and SGLang's kernel differ by more than twice the error
+    floor, or a pool row not named was touched (rows stood in for)."""
+    from kda_bench import sglang
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    row = dict(call="extend", H=8, requests=1, tokens=2048, gate="safe", sglang_triton_ms=1.0, kda_opt_ms=0.5,
+               speedup=2.0, sglang_flashkda_ms="n/a", max_rel_err=err, untouched_ok=same)
+    monkeypatch.setattr(sglang, "sglang_rows", lambda *a, **kw: [row])
+    monkeypatch.setattr(sglang, "host_rows", lambda: {"kda_opt": 0.1, "sglang_triton": 0.5})
+    assert bench.main(["--test", "sglang"]) == rc
+    assert "host ms per extend call" in capsys.readouterr().out
 
 
 def test_refuses_without_fla(monkeypatch, capsys):

@@ -555,7 +555,8 @@ def main(argv=None) -> int:
                   f"{fkda if isinstance(fkda, str) else f'{fkda:8.3f}':>8} {r['max_rel_err']:8.2e} {r['untouched_ok']}")
         host_time = sglang.host_rows()
         print("host ms per extend call: " + ", ".join(f"{n} {t:.4f}" for n, t in host_time.items()))
-        return 0 if all(r["untouched_ok"] and r["max_rel_err"] <= ERROR_FLOOR for r in rows) else 1
+        # Two kernels each within the floor of the float64 truth differ by at most twice it.
+        return 0 if all(r["untouched_ok"] and r["max_rel_err"] <= 2 * ERROR_FLOOR for r in rows) else 1
     fla = peers.fla_chunk_kda()
     if fla is None and (args.sweep or args.test in ("fla", "benchmark", "all", "host", "cp", "decode", "model")):
         return refuse(f"--test {args.test} needs fla-core (pip install 'kda-opt[bench]')")
