@@ -1,7 +1,8 @@
 """kda_opt as SGLang's KDA kernel (kda_opt/sglang): the plugin's registration through SGLang's own entry
-points and HookRegistry, the kernel's methods against SGLang's base class, which calls it takes and how
-it maps them onto kda_forward (CPU, kda_forward stood in for); on the GPU, SGLang's own calls through
-it against SGLang's TritonKDAKernel (the oracle) and the float64 recurrence."""
+points and HookRegistry, the kernel's methods against SGLang's base class, which calls it takes, how it
+maps them onto kda_forward and assembles SGLang's per-chunk states from its checkpoints (CPU,
+kda_forward stood in for, by a recorder or by the float64 recurrence); on the GPU, SGLang's own calls
+through it against SGLang's TritonKDAKernel (the oracle) and the float64 recurrence."""
 import inspect
 import os
 import subprocess
@@ -180,6 +181,61 @@ def test_tree_verify_is_sglangs(stood_in, sglang_own):
     args["retrieve_parent_token"] = torch.zeros(3, 4, dtype=torch.long)
     assert calls.run_in_place(kernel, "verify", args) == "sglang"
     assert "decode" not in stood_in
+
+
+def _recurrence(q, k, v, g, beta, *, initial_state, initial_state_indices, cu_seqlens, checkpoints, **gate):
+    """kda_forward's serving call in float64 (kda_opt/reference), for the plugin's side to be run on
+    the CPU: each request from its pool row (zeros for −1), the state after each of its 64-token
+    chunks into its checkpoint rows (Σ_{m<n} cdiv(len_m, 64) on), its final state into its row."""
+    gate = {n: gate[n] for n in ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
+                                 "A_log", "dt_bias", "lower_bound")}
+    o, bounds, row = torch.zeros_like(v), cu_seqlens.tolist(), 0
+    for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
+        slot = int(initial_state_indices[n])
+        S = initial_state[slot:slot + 1] if slot >= 0 else initial_state.new_zeros(1, *initial_state.shape[1:])
+        for t0 in range(bos, eos, 64):
+            piece = [x[:, t0:min(t0 + 64, eos)] for x in (q, k, v, g, beta)]
+            o_piece, S = reference_forward(*piece, initial_state=S, output_final_state=True, state_v_first=True,
+                                           **gate)
+            o[:, t0:t0 + o_piece.shape[1]] = o_piece.to(o.dtype)
+            if checkpoints is not None:
+                checkpoints[0, row] = S[0].to(checkpoints.dtype)
+            row += 1
+        if slot >= 0:
+            initial_state[slot] = S[0].to(initial_state.dtype)
+    return o, None
+
+
+@pytest.mark.parametrize("track", [False, True])
+def test_extend_returns_the_states_before_each_chunk(monkeypatch, track):
+    """return_intermediate_states and track_state assembled from kda_forward's checkpoints (its float64
+    stand-in here): h's row j of a request is its state before its chunk j (row 0 its pool row, zeros
+    for a new request or −1), in k's dtype; track_state[n] the state before chunk track_chunk_idx[n]."""
+    monkeypatch.setattr(plugin, "_on_hopper", lambda device: True)
+    monkeypatch.setattr(plugin, "kda_forward", _recurrence)
+    lens = [150, 64, 1, 70]
+    call = calls.step("extend", 2, lens, "safe", device="cpu", pad=True)
+    pool = call["ssm_states"].clone()
+    args = {n: x for n, x in call.items() if n != "call"}
+    args.update(return_intermediate_states=True)
+    if track:
+        args.update(track_state=torch.full((5, *pool.shape[1:]), float("nan")),
+                    track_chunk_idx=torch.tensor([2, 0, -1, 1, 1], dtype=torch.int32))
+    o, h = calls.run_in_place(plugin.kernel_class()(), "extend", args)
+    bounds, idx, row = call["query_start_loc"].tolist(), call["cache_indices"].tolist(), 0
+    for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
+        start = pool[idx[n]:idx[n] + 1] if idx[n] >= 0 else torch.zeros(1, *pool.shape[1:])
+        for j, t0 in enumerate(range(bos, eos, 64)):
+            before = start if t0 == bos else reference_forward(
+                *(x[:, bos:t0] for x in (call["q"], call["k"], call["v"], call["g"], call["beta"])),
+                initial_state=start, output_final_state=True, state_v_first=True, use_qk_l2norm_in_kernel=True,
+                use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, A_log=call["A_log"].reshape(-1),
+                dt_bias=call["dt_bias"], lower_bound=call["lower_bound"])[1]
+            assert rel_err(h[0, row], before[0]) <= 4e-3, (n, j)
+            if track and args["track_chunk_idx"][n] == j:
+                assert rel_err(args["track_state"][n], before[0]) <= 1e-6, n
+            row += 1
+    assert h.shape[1] == row and h.dtype == call["k"].dtype
 
 
 # ---- on the GPU: SGLang's calls through both kernels ----
