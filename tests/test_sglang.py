@@ -238,6 +238,39 @@ def test_extend_returns_the_states_before_each_chunk(monkeypatch, track):
     assert h.shape[1] == row and h.dtype == call["k"].dtype
 
 
+def test_chain_verify_writes_each_draft_tokens_state(monkeypatch):
+    """Chain verify through kda_decode (its float64 stand-in): request n's state after its draft token t
+    in intermediate_states_buffer[intermediate_state_indices[n], t], from its pool row (zeros for −1),
+    the pool only read."""
+    def decode(*args, **kw):
+        o, written = reference_decode(*args, **kw)
+        kw["initial_state"].copy_(written)
+        return o.to(args[2].dtype), kw["initial_state"]
+    monkeypatch.setattr(plugin, "_on_hopper", lambda device: True)
+    monkeypatch.setattr(plugin, "kda_decode", decode)
+    call = calls.step("verify", 2, [1] * 3, "softplus", device="cpu")
+    call["cache_indices"][1] = -1
+    call["intermediate_state_indices"] = torch.tensor([2, 3, 0], dtype=torch.int32)   # the buffer's rows
+    args = {n: x for n, x in call.items() if n != "call"}
+    pool, buffer = args["ssm_states"].clone(), args["intermediate_states_buffer"]
+    kernel = plugin.kernel_class()()
+    kernel.takes_verify = True
+    calls.run_in_place(kernel, "verify", args)
+    assert torch.equal(args["ssm_states"], pool)
+    g = call["a"].view(*call["v"].shape[:-1], -1)
+    for n, (row, slot) in enumerate(zip(call["intermediate_state_indices"].tolist(), call["cache_indices"].tolist())):
+        S = pool[slot:slot + 1] if slot >= 0 else torch.zeros(1, *pool.shape[1:])
+        for t in range(4):
+            r = slice(4 * n + t, 4 * n + t + 1)
+            _, S = reference_forward(call["q"][:, r], call["k"][:, r], call["v"][:, r], g[:, r], call["beta"][:, r],
+                                     initial_state=S, output_final_state=True, state_v_first=True,
+                                     use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                     use_beta_sigmoid_in_kernel=True, A_log=call["A_log"].reshape(-1),
+                                     dt_bias=call["dt_bias"])
+            assert rel_err(buffer[row, t], S[0]) <= 1e-6, (n, t)
+    assert torch.equal(buffer[1], torch.zeros_like(buffer[1]))          # no request's row: untouched
+
+
 # ---- on the GPU: SGLang's calls through both kernels ----
 
 def _reference(call):
