@@ -143,9 +143,7 @@ def extend(q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, A_lo
     h = checkpoints = None
     if states:
         # The pool's rows before the call, which overwrites them: each request's state before its first chunk.
-        slots = ssm_states.shape[0]
-        starts = ssm_states.index_select(0, cache_indices.clamp(0, slots - 1))
-        live = (cache_indices >= 0) & (cache_indices < slots)
+        starts = _starts(ssm_states, cache_indices)
         rows = _chunk_rows(q.shape[1], query_start_loc, extend_seq_lens_cpu, chunk_indices)
         # h in k's dtype, as SGLang's; the states snapshot exactly (fp32) where track_state asks for them.
         h, checkpoints = intermediate_states(v, q.shape[-1], rows, True,
@@ -157,7 +155,7 @@ def extend(q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, A_lo
                        checkpoints=checkpoints)
     if not states:
         return o
-    first_rows(h, starts, live, query_start_loc)
+    first_rows(h, starts, None, query_start_loc)
     if track_state is not None:
         # Request n's state before its chunk track_chunk_idx[n]; a request not tracked (−1) gets some row.
         row = sequence_rows(query_start_loc, rows) + track_chunk_idx.to(query_start_loc.dtype)
@@ -178,14 +176,29 @@ def _chunk_rows(T: int, query_start_loc, extend_seq_lens_cpu, chunk_indices) -> 
     return -(-T // CHUNK) + query_start_loc.shape[0] - 2
 
 
+def _starts(ssm_states, indices):
+    """pool[indices[n]] for each request, zeros where the index is −1 (or past the pool), in the
+    pool's dtype: the requests' states before the call."""
+    slots = ssm_states.shape[0]
+    live = (indices >= 0) & (indices < slots)
+    return torch.where(live.view(-1, 1, 1, 1), ssm_states.index_select(0, indices.clamp(0, slots - 1)), 0)
+
+
+def _decode(q, k, v, a, b, *, A_log, dt_bias, lower_bound, query_start_loc, pool, indices, accepted=None):
+    """kda_decode on SGLang's decode-style call (a: the gate [tokens, HV·K], b: β logits), the states
+    read from and written into `pool` in place by `indices` (and `accepted`): o [1, tokens, HV, V]."""
+    o, _ = kda_decode(q, k, v, a.reshape(v.shape[:-1] + (q.shape[-1],)), b, scale=None, initial_state=pool,
+                      use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, **_gate(A_log, dt_bias, lower_bound),
+                      state_v_first=True, cu_seqlens=query_start_loc, inplace_final_state=True,
+                      ssm_state_indices=indices, num_accepted_tokens=accepted)
+    return o
+
+
 def decode(q, k, v, a, b, *, A_log, dt_bias, ssm_states, cache_indices, query_start_loc, lower_bound):
     """SGLang's decode through kda_decode: o [1, N, HV, V]; each request's state read from and written
     to pool[cache_indices[n]] (−1: zeros, nothing written)."""
-    o, _ = kda_decode(q, k, v, a.reshape(v.shape[:-1] + (q.shape[-1],)), b, scale=None, initial_state=ssm_states,
-                      use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, **_gate(A_log, dt_bias, lower_bound),
-                      state_v_first=True, cu_seqlens=query_start_loc, inplace_final_state=True,
-                      ssm_state_indices=cache_indices)
-    return o
+    return _decode(q, k, v, a, b, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                   query_start_loc=query_start_loc, pool=ssm_states, indices=cache_indices)
 
 
 def verify(q, k, v, a, b, *, A_log, dt_bias, ssm_states, cache_indices, query_start_loc,
@@ -200,16 +213,9 @@ def verify(q, k, v, a, b, *, A_log, dt_bias, ssm_states, cache_indices, query_st
     own (they write zeros there, as its kernel does)."""
     N = query_start_loc.shape[0] - 1
     buffer = intermediate_states_buffer.view(-1, *intermediate_states_buffer.shape[2:])
-    slots = ssm_states.shape[0]
-    live = (cache_indices[:N] >= 0) & (cache_indices[:N] < slots)
-    starts = ssm_states.index_select(0, cache_indices[:N].clamp(0, slots - 1))
-    starts = torch.where(live.view(-1, 1, 1, 1), starts, 0).to(buffer.dtype)
     base = intermediate_state_indices[:N].to(torch.int64) * cache_steps
     last = query_start_loc.diff().clamp(1, cache_steps) - 1
-    buffer.index_copy_(0, base + last, starts)
+    buffer.index_copy_(0, base + last, _starts(ssm_states, cache_indices[:N]).to(buffer.dtype))
     columns = base.view(-1, 1) + torch.arange(cache_steps, device=base.device)
-    o, _ = kda_decode(q, k, v, a.reshape(v.shape[:-1] + (q.shape[-1],)), b, scale=None, initial_state=buffer,
-                      use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, **_gate(A_log, dt_bias, lower_bound),
-                      state_v_first=True, cu_seqlens=query_start_loc, inplace_final_state=True,
-                      ssm_state_indices=columns, num_accepted_tokens=last + 1)
-    return o
+    return _decode(q, k, v, a, b, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                   query_start_loc=query_start_loc, pool=buffer, indices=columns, accepted=last + 1)

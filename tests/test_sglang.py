@@ -108,10 +108,10 @@ def test_off_hopper_every_call_is_sglangs(sglang_own):
     kernel = plugin.kernel_class()()
     kernel.takes_verify = True
     call = calls.step("extend", 2, [70, 5], "safe", device="cpu")
-    assert calls.run_in_place(kernel, "extend", {n: x for n, x in call.items() if n != "call"}) == "sglang"
+    assert calls.run_in_place(kernel, "extend", calls.arguments(call)) == "sglang"
     for name in ("decode", "verify"):
         call = calls.step(name, 2, [1, 1, 1], "softplus", device="cpu")
-        assert calls.run_in_place(kernel, name, {n: x for n, x in call.items() if n != "call"}) == "sglang"
+        assert calls.run_in_place(kernel, name, calls.arguments(call)) == "sglang"
     assert [s[0] for s in sglang_own] == ["extend", "decode", "target_verify"]
     assert sglang_own[0][2]["extend_seq_lens_cpu"] == [70, 5]      # passed on whole
 
@@ -139,7 +139,7 @@ def stood_in(monkeypatch):
 def test_extend_maps_sglangs_call_onto_kda_forward(stood_in, sglang_own, gate):
     call = calls.step("extend", 2, [70, 5], gate, device="cpu", pad=True)
     kernel = plugin.kernel_class()()
-    o = calls.run_in_place(kernel, "extend", {n: x for n, x in call.items() if n != "call"})
+    o = calls.run_in_place(kernel, "extend", calls.arguments(call))
     assert not sglang_own and o.shape == call["v"].shape
     args, kw = stood_in["forward"]
     assert args[:5] == tuple(call[n] for n in ("q", "k", "v", "g", "beta"))
@@ -155,7 +155,7 @@ def test_extend_maps_sglangs_call_onto_kda_forward(stood_in, sglang_own, gate):
 
 def test_one_request_passes_its_host_lengths(stood_in):
     call = calls.step("extend", 2, [300], "safe", device="cpu")
-    calls.run_in_place(plugin.kernel_class()(), "extend", {n: x for n, x in call.items() if n != "call"})
+    calls.run_in_place(plugin.kernel_class()(), "extend", calls.arguments(call))
     assert stood_in["forward"][1]["cu_seqlens_cpu"].tolist() == [0, 300]
 
 
@@ -165,7 +165,7 @@ def test_decode_taken_only_where_measured(stood_in, sglang_own):
     assert kernel.decode_requests == plugin.DECODE_REQUESTS
     for n in (plugin.DECODE_REQUESTS + 1, 3):
         call = calls.step("decode", 2, [1] * n, "safe", device="cpu")
-        out = calls.run_in_place(kernel, "decode", {n: x for n, x in call.items() if n != "call"})
+        out = calls.run_in_place(kernel, "decode", calls.arguments(call))
     assert [s[0] for s in sglang_own] == ["decode"] and out.shape == call["v"].shape
     _, kw = stood_in["decode"]
     assert stood_in["decode"][0][3].shape == (1, 3, 2, calls.K)      # SGLang's [N, H·K] gate, per head
@@ -177,7 +177,7 @@ def test_tree_verify_is_sglangs(stood_in, sglang_own):
     call = calls.step("verify", 2, [1] * 3, "safe", device="cpu")
     kernel = plugin.kernel_class()()
     kernel.takes_verify = True
-    args = {n: x for n, x in call.items() if n != "call"}
+    args = calls.arguments(call)
     args["retrieve_parent_token"] = torch.zeros(3, 4, dtype=torch.long)
     assert calls.run_in_place(kernel, "verify", args) == "sglang"
     assert "decode" not in stood_in
@@ -216,7 +216,7 @@ def test_extend_returns_the_states_before_each_chunk(monkeypatch, track):
     lens = [150, 64, 1, 70]
     call = calls.step("extend", 2, lens, "safe", device="cpu", pad=True)
     pool = call["ssm_states"].clone()
-    args = {n: x for n, x in call.items() if n != "call"}
+    args = calls.arguments(call)
     args.update(return_intermediate_states=True)
     if track:
         args.update(track_state=torch.full((5, *pool.shape[1:]), float("nan")),
@@ -251,7 +251,7 @@ def test_chain_verify_writes_each_draft_tokens_state(monkeypatch):
     call = calls.step("verify", 2, [1] * 3, "softplus", device="cpu")
     call["cache_indices"][1] = -1
     call["intermediate_state_indices"] = torch.tensor([2, 3, 0], dtype=torch.int32)   # the buffer's rows
-    args = {n: x for n, x in call.items() if n != "call"}
+    args = calls.arguments(call)
     pool, buffer = args["ssm_states"].clone(), args["intermediate_states_buffer"]
     kernel = plugin.kernel_class()()
     kernel.takes_verify = True
@@ -357,6 +357,6 @@ def test_bad_input_raises_before_any_kernel():
     call["beta"] = call["beta"][..., :5]
     before = call["ssm_states"].clone()
     with pytest.raises(ValueError, match="beta"):
-        calls.run_in_place(ours, "extend", {n: x for n, x in call.items() if n != "call"})
+        calls.run_in_place(ours, "extend", calls.arguments(call))
     torch.cuda.synchronize()
     assert torch.equal(call["ssm_states"], before)

@@ -89,10 +89,15 @@ def step(call: str, H: int, lens: list[int], gate: str, *, pad: bool = False, dr
     return {"call": call, "q": q, "k": k, "v": v, **args}
 
 
+def arguments(call: dict) -> dict:
+    """A step()'s arguments for its kernel method (all but `call`), in a dict of its own."""
+    return {n: x for n, x in call.items() if n != "call"}
+
+
 def run(kernel, call: dict):
     """Runs `call` (step) through `kernel`'s method for it on a copy of its pool (and buffer):
     (its result, the pool after, the buffer after or None)."""
-    args = {n: x for n, x in call.items() if n != "call"}
+    args = arguments(call)
     args["ssm_states"] = args["ssm_states"].clone()
     if call["call"] == "verify":
         args["intermediate_states_buffer"] = args["intermediate_states_buffer"].clone()
@@ -140,7 +145,7 @@ def kernels():
 
 def timed(kernel, call: dict):
     """A step() of `call` through `kernel`, on the call's own pool (each run continues it)."""
-    args = {n: x for n, x in call.items() if n != "call"}
+    args = arguments(call)
     return lambda: run_in_place(kernel, call["call"], args)
 
 
