@@ -259,7 +259,7 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
         one_pass = not plan.parallel and cut is None and len(plan.segments) == 1
         routed = one_pass and plan.decode is not None     # its sequences of one token through kda_opt/decode
         # Launches sized from the host lengths, but not in a graph (replayed on other lengths).
-        sized = one_pass and plan.sized_launches and not torch.cuda.is_current_stream_capturing()
+        sized = one_pass and plan.sized_launches and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
         counts = sequence_counts(cu_seqlens_cpu, routed) if sized else None
         seqs = rows = None
         if plan.checkpoint_offsets:

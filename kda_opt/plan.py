@@ -139,8 +139,10 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
               state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_size=CHUNK,
               transpose_state_layout=None, initial_state_indices=None, initial_state_indices_cpu=None, pad_slot=None,
               has_initial_state=None, checkpoints=None, checkpoint_every=CHUNK, checkpoint_offsets=None,
-              tuning: Tuning = Tuning()) -> Plan:
-    """kda_forward's arguments (its docstring says what each means) checked and resolved into a Plan."""
+              tuning: Tuning = Tuning(), sms: int | None = None) -> Plan:
+    """kda_forward's arguments (its docstring says what each means) checked and resolved into a Plan.
+    sms: the GPU's SM count, for the launch choices; None reads it from q's device, which must then be
+    a CUDA GPU with every tensor on it (the CPU tests pass a count)."""
     if transpose_state_layout is not None:
         if state_v_first:
             raise ValueError("pass state_v_first or its deprecated name transpose_state_layout, not both")
@@ -160,13 +162,14 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     _check_pad_slot(pad_slot, initial_state_indices)
     check_host_copies(q.shape[1], cu_seqlens_cpu, initial_state_indices_cpu, initial_state, checkpoints,
                       checkpoint_every, pad_slot)
-    _validate_devices(q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias,
-                      cu_seqlens=cu_seqlens, initial_state_indices=initial_state_indices,
-                      has_initial_state=has_initial_state, checkpoints=checkpoints,
-                      checkpoint_offsets=checkpoint_offsets)
+    if sms is None:
+        _validate_devices(q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias,
+                          cu_seqlens=cu_seqlens, initial_state_indices=initial_state_indices,
+                          has_initial_state=has_initial_state, checkpoints=checkpoints,
+                          checkpoint_offsets=checkpoint_offsets)
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     align = checkpoint_every if checkpoints is not None else CHUNK
     # One packed sequence whose host copy says it spans [0, T] (check_host_copies) is the fixed-length
     # call of B = 1, with its time or parallel segments; without the copy the device values are unseen.

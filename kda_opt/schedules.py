@@ -329,25 +329,19 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 def pipelined(plan: Plan, q, k, v, g, beta, state, checkpoints, prepare, stage4):
     """o over plan.segments of one sequence (B = 1): stages 1–3 of each segment on a side stream,
-    stage 4 on the caller's, which waits for them. `state` holds stage 4's state arguments of the
-    whole call: the first segment reads the initial state (a pool row too), the last writes the
-    final one; between them the state is handed on in fp32 (two buffers in turn)."""
-    main = torch.cuda.current_stream(q.device)
-    side = _side_stream(q.device)
-    side.wait_stream(main)                      # q, k, v, g, beta as the caller's stream left them
+    stage 4 on the caller's, which waits for them (on a device without streams, the CPU of the tests,
+    one after the other). `state` holds stage 4's state arguments of the whole call: the first segment
+    reads the initial state (a pool row too), the last writes the final one; between them the state is
+    handed on in fp32 (two buffers in turn)."""
+    side = _side_stream(q.device) if q.is_cuda else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(q.device))   # q, k, v, g, beta as the caller's stream left them
     o = torch.empty_like(v)
     handed = [final_states(plan, v), final_states(plan, v)]
     last = len(plan.segments) - 1
     for i, (t0, t1) in enumerate(plan.segments):
         part = lambda x: x[:, t0:t1]            # B = 1: a view of whole token rows
-        with torch.cuda.stream(side):
-            made = prepare(part(q), part(k), part(g), part(beta))
-            ready = side.record_event()
-        for x in made:
-            if x is not None:
-                x.record_stream(main)           # allocated on the side stream, read on the caller's
-        main.wait_event(ready)
-        gcum, Aqk, Tm, r, rstd = made
+        gcum, Aqk, Tm, r, rstd = _ahead(side, lambda: prepare(part(q), part(k), part(g), part(beta)))
         reads = dict(initial_state=state["initial_state"], has_initial_state=state["has_initial_state"]) if i == 0 \
             else dict(initial_state=handed[(i - 1) % 2])
         rows = None if checkpoints is None else checkpoints[:, t0 // plan.checkpoint_every:]
@@ -356,3 +350,19 @@ def pipelined(plan: Plan, q, k, v, g, beta, state, checkpoints, prepare, stage4)
                read_slots=i == 0 and state["read_slots"], write_slots=i == last and state["write_slots"],
                checkpoints=rows, qk_rstd=rstd, beta_residual=r, out=part(o))
     return o
+
+
+def _ahead(side, work):
+    """work()'s tensors, made on the side stream with the caller's stream waiting for them (and each
+    recorded as used there, since it was allocated on the side); without a side stream, work()'s."""
+    if side is None:
+        return work()
+    main = torch.cuda.current_stream(side.device)
+    with torch.cuda.stream(side):
+        made = work()
+        ready = side.record_event()
+    for x in made:
+        if x is not None:
+            x.record_stream(main)
+    main.wait_event(ready)
+    return made
