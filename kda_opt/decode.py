@@ -21,8 +21,13 @@ from . import bound
 from .gate import gate_mode, log_decay
 from .intra import L2_EPS
 from .launch import Kernels, triton_launch
-from .options import state_shape
+from .options import Read, Write, state_shape
 from .plan import DecodePlan, Entry, decode_plan_for
+
+
+# The modes as the kernel compares them (Triton reads globals only as constexprs).
+READ_ROW, READ_SLOT = tl.constexpr(Read.ROW), tl.constexpr(Read.SLOT)
+WRITE_ROW, WRITE_SLOT, WRITE_EACH_TOKEN = tl.constexpr(Write.ROW), tl.constexpr(Write.SLOT), tl.constexpr(Write.EACH_TOKEN)
 
 
 @triton.jit(do_not_specialize=["T", "slots", "pad_slot"])
@@ -38,10 +43,10 @@ def decode_kernel(
     WRITE: tl.constexpr, COLUMNS: tl.constexpr, ACCEPTED: tl.constexpr, PAD: tl.constexpr, HAS_MASK: tl.constexpr,
     SINGLE: tl.constexpr,
 ):
-    # READ: 0 zeros, 1 dense row n, 2 pool row indices[n, accepted[n] − 1] (column 0 without accepted);
-    # with HAS_MASK zeros where has_state[n] is false. WRITE: 0 nothing, 1 dense row n after the last
-    # token, 2 pool row indices[n] after the last token, 3 pool row indices[n, t] after each token t
-    # (speculative verify). SINGLE: only the sequences of one token (kda_forward's, where a packed call
+    # READ (kda_opt/options.Read): zeros, dense row n, or pool row indices[n, accepted[n] − 1] (column
+    # 0 without accepted); with HAS_MASK zeros where has_state[n] is false. WRITE (options.Write):
+    # nothing, dense row n after the last token, pool row indices[n] after it, or pool row
+    # indices[n, t] after each token t (speculative verify). SINGLE: only the sequences of one token (kda_forward's, where a packed call
     # leaves them to this kernel); a program of any other reads, computes and writes nothing.
     i_nh, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -71,10 +76,10 @@ def decode_kernel(
     if HAS_MASK:
         reads = reads & (tl.load(has_state + i_n) != 0)
     b_s = tl.zeros([K, BV], dtype=tl.float32)
-    if READ == 1:
+    if READ == READ_ROW:
         row = _rows(tl.where(reads, i_n, -1), K, BV)
         b_s = tl.load(s_in + row * S_IN + o_s, mask=row >= 0, other=0.0).to(tl.float32)
-    if READ == 2:
+    if READ == READ_SLOT:
         row = _rows(_slot(indices, i_n, column, reads, slots, pad_slot, S_IDX, PAD), K, BV)
         b_s = tl.load(s_in + row * S_IN + o_s, mask=row >= 0, other=0.0).to(tl.float32)
     for t in range(T):
@@ -94,13 +99,13 @@ def decode_kernel(
         b_s += b_k[:, None] * b_u[None, :]
         b_o = tl.sum(b_s * (b_q * scale)[:, None], 0)
         tl.store(o + r * SOT + i_hv * SOH + o_v, b_o.to(o.dtype.element_ty))
-        if WRITE == 3:
+        if WRITE == WRITE_EACH_TOKEN:
             row = _rows(_slot(indices, i_n, t, live & (t < COLUMNS), slots, pad_slot, S_IDX, PAD), K, BV)
             tl.store(s_out + row * S_OUT + o_s, b_s.to(s_out.dtype.element_ty), mask=row >= 0)
-    if WRITE == 1:
+    if WRITE == WRITE_ROW:
         row = _rows(tl.where(live, i_n, -1), K, BV)
         tl.store(s_out + row * S_OUT + o_s, b_s.to(s_out.dtype.element_ty), mask=row >= 0)
-    if WRITE == 2:
+    if WRITE == WRITE_SLOT:
         row = _rows(_slot(indices, i_n, 0, live, slots, pad_slot, S_IDX, PAD), K, BV)
         tl.store(s_out + row * S_OUT + o_s, b_s.to(s_out.dtype.element_ty), mask=row >= 0)
 

@@ -13,8 +13,8 @@ token (kda_opt/seqs). Akk never leaves the registers.
 
 Products. The chunk's rows are taken in four 16-row blocks R, each one product over its columns on
 tensor cores through a reference exponent C: q_i 2^(Γ_i − C) · k_j 2^(C − Γ_j).
-Bounded gates (the sigmoid gate with lower_bound ∈ [−5, 0]: Γ falls at most 5/ln 2 per token, and
-the launcher says so: gate_bounded): C = Γ_n − SHIFT, n the block's first row, for all its columns up
+Bounded gates (the sigmoid gate with lower_bound in kda_opt/options' safe range [−5, 0): Γ falls
+at most 5/ln 2 per token, and the launcher says so: gate_bounded): C = Γ_n − SHIFT, n the block's first row, for all its columns up
 to its diagonal. The row factor is ≤ 2^SHIFT and, inside the diagonal block, the column factor ≤
 2^(span − SHIFT) with span ≤ 15·5/ln 2 = 2·SHIFT; before n the column factor only shrinks (FLA
 0.6.0's safe-gate sub-chunk reference).

@@ -1,6 +1,7 @@
 """The engine's fixed constants, and the gate option that travels through the stages as one frozen value."""
 import math
 from dataclasses import dataclass
+from enum import IntEnum
 
 # Tokens per chunk: the only size the stages compute (stage 2 takes a chunk as four 16-row blocks).
 # kda_forward's chunk_size argument (FLA's name) must equal it.
@@ -12,6 +13,30 @@ L2NORM_EPS = 1e-6
 # the floor changes in a state is below fp32's resolution of that state, and it bounds how far Γ
 # falls per token, which stage 2 needs for any gate (kda_opt/intra, "Unbounded gates").
 LOG_DECAY_FLOOR = -24 * math.log(2.0)
+# The sigmoid gate's lower_bound range [SAFE_LOWER_BOUND, 0) (FLA's for safe_gate): a ≥ lower_bound
+# ≥ −5 per token, so that Γ falls at most 5/ln 2 per token in log2 units and stage 2 serves each
+# diagonal block with its row block's one product (kda_opt/intra, "Bounded gates").
+SAFE_LOWER_BOUND = -5.0
+
+
+def in_safe_range(lower_bound: float) -> bool:
+    """Whether lower_bound lies in [SAFE_LOWER_BOUND, 0)."""
+    return SAFE_LOWER_BOUND <= lower_bound < 0.0
+
+
+class Read(IntEnum):
+    """Where kda_opt/decode's kernel reads each request's start (its READ)."""
+    ZEROS = 0       # no state: zeros
+    ROW = 1         # dense row n
+    SLOT = 2        # pool row indices[n, accepted[n] − 1] (column 0 without accepted)
+
+
+class Write(IntEnum):
+    """Where kda_opt/decode's kernel writes each request's state (its WRITE)."""
+    NONE = 0
+    ROW = 1         # dense row n, after the last token
+    SLOT = 2        # pool row indices[n], after the last token
+    EACH_TOKEN = 3  # pool row indices[n, t], after each token t (speculative verify)
 
 
 def state_shape(N: int, HV: int, K: int, V: int, v_first: bool) -> tuple[int, int, int, int]:
@@ -36,6 +61,6 @@ class GateConfig:
 
     @property
     def bounded(self) -> bool:
-        """a ≥ −5 by construction (sigmoid gate, lower_bound ∈ [−5, 0]), not only by promise: stage 2
-        then serves each diagonal block with the row block's one product (kda_opt/intra)."""
-        return self.in_kernel and self.lower_bound is not None and -5.0 <= self.lower_bound <= 0.0
+        """a ≥ −5 by construction (sigmoid gate, lower_bound in the safe range), not only by promise:
+        stage 2 then serves each diagonal block with the row block's one product (kda_opt/intra)."""
+        return self.in_kernel and self.lower_bound is not None and in_safe_range(self.lower_bound)

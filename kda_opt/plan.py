@@ -39,13 +39,12 @@ import torch
 
 from .intra import warps_for
 from .launch import ALIGNMENT_FIXED, Kernels
-from .options import CHUNK, GateConfig, state_shape
+from .options import CHUNK, SAFE_LOWER_BOUND, GateConfig, Read, Write, in_safe_range, state_shape
 from .seqs import RANK_MAX
 from .wuso import INT32_MAX, WORKER_WARPS, block_v_for
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # q, k, v; and the initial state
 SUPPORTED_HEAD_DIMS = (64, 128)  # K and V each; FLA also takes 256, which stage 2's registers cannot hold
-SAFE_LOWER_BOUND = (-5.0, 0.0)  # the range in which safe_gate keeps in-chunk exponents bounded
 
 
 @dataclass(frozen=True)
@@ -470,8 +469,8 @@ def _validate(q, k, v, g, beta, initial_state, *, use_gate_in_kernel, A_log, dt_
             raise ValueError("safe_gate=True with use_gate_in_kernel=True needs lower_bound")
     elif A_log is not None or dt_bias is not None:
         raise ValueError("A_log and dt_bias are used only with use_gate_in_kernel=True")
-    if safe_gate and lower_bound is not None and not SAFE_LOWER_BOUND[0] <= lower_bound < SAFE_LOWER_BOUND[1]:
-        raise ValueError(f"safe_gate needs lower_bound in [{SAFE_LOWER_BOUND[0]}, {SAFE_LOWER_BOUND[1]}), "
+    if safe_gate and lower_bound is not None and not in_safe_range(lower_bound):
+        raise ValueError(f"safe_gate needs lower_bound in [{SAFE_LOWER_BOUND}, 0), "
                          f"got {lower_bound}")
     return N
 
@@ -626,15 +625,15 @@ def _validate_seqlens(cu_seqlens, cu_seqlens_cpu, B) -> int:
 @dataclass(frozen=True)
 class DecodePlan(Sizes):
     """One kda_decode call, resolved: N requests of T tokens (packed: T of the call, lengths from
-    cu_seqlens); what its kernel reads and writes (kda_opt/decode's READ / WRITE codes)."""
+    cu_seqlens); what its kernel reads and writes (its READ and WRITE, kda_opt/options.Read, Write)."""
     scale: float
     gate: GateConfig
     l2norm: bool
     beta_sigmoid: float | None    # β = beta_sigmoid · sigmoid(beta); None: beta is β
     state_v_first: bool
     packed: bool
-    read: int                     # 0 zeros, 1 initial_state[n], 2 the pool at ssm_state_indices
-    write: int                    # 0 none, 1 final[n], 2 the pool at [N] indices, 3 per token at [N, S] ones
+    read: Read                    # zeros, initial_state[n], or the pool at ssm_state_indices
+    write: Write                  # none, final[n], the pool at [N] indices, or per token at [N, S] ones
     output_final_state: bool      # final[n] a new [N, …] fp32 tensor (else initial_state, in place)
     columns: int                  # S of [N, S] indices (1 for [N], 0 without)
     slots: int                    # the pool's rows (0 without one)
@@ -675,15 +674,15 @@ def make_decode_plan(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, ini
                           cu_seqlens=cu_seqlens, ssm_state_indices=indices, num_accepted_tokens=num_accepted_tokens,
                           out=out)
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    write = 0
+    write = Write.NONE
     if output_final_state:
-        write = 1
+        write = Write.ROW
     elif inplace_final_state:
-        write = 1 if indices is None else 2 if indices.dim() == 1 else 3
+        write = Write.ROW if indices is None else Write.SLOT if indices.dim() == 1 else Write.EACH_TOKEN
     return _decode_plan(
         Sizes(B, T, H, K, HV, V, N), scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound,
         use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens is not None, sms,
-        read=0 if initial_state is None else 1 if indices is None else 2, write=write,
+        read=Read.ZEROS if initial_state is None else Read.ROW if indices is None else Read.SLOT, write=write,
         output_final_state=output_final_state, columns=columns,
         slots=0 if indices is None else initial_state.shape[0], pad_slot=pad_slot, single=False,
         state_itemsize=4 if initial_state is None or output_final_state else initial_state.element_size())
@@ -694,8 +693,9 @@ def _routed_decodes(sizes: Sizes, scale, l2norm, gate_in_kernel, lower_bound, be
     """The DecodePlan of a packed kda_forward call's sequences of one token (make_plan's checks made):
     read from and written to where stage 4 would (the pool's slot, or row n of the dense states)."""
     return _decode_plan(sizes, scale, l2norm, gate_in_kernel, lower_bound, beta_sigmoid, neg_eigval, v_first, True,
-                        sms, read=0 if initial_state is None else 2 if pool else 1,
-                        write=2 if pool else 1 if output_final_state else 0, output_final_state=output_final_state,
+                        sms, read=Read.ZEROS if initial_state is None else Read.SLOT if pool else Read.ROW,
+                        write=Write.SLOT if pool else Write.ROW if output_final_state else Write.NONE,
+                        output_final_state=output_final_state,
                         columns=1 if pool else 0, slots=initial_state.shape[0] if pool else 0, pad_slot=None,
                         single=True, state_itemsize=4 if initial_state is None else initial_state.element_size())
 

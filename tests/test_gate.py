@@ -126,11 +126,12 @@ def test_gate_gpu(mode, dtype, T):
     (GateConfig(in_kernel=True, lower_bound=-5.0, safe_gate=True), True),
     (GateConfig(in_kernel=True, lower_bound=-3.0), True),
     (GateConfig(in_kernel=True, lower_bound=-6.0), False),      # below the bound stage 2 assumes
+    (GateConfig(in_kernel=True, lower_bound=0.0), False),       # outside safe_gate's range, as make_plan says
     (GateConfig(in_kernel=True), False),                         # softplus: unbounded
     (GateConfig(in_kernel=False, lower_bound=-5.0, safe_gate=True), False),  # a promise, not a construction
 ])
 def test_gate_bounded(config, bounded):
-    """Only the sigmoid gate in kernel with lower_bound in [−5, 0] lets stage 2 skip its span check."""
+    """Only the sigmoid gate in kernel with lower_bound in [−5, 0) lets stage 2 skip its span check."""
     assert config.bounded is bounded
 
 
