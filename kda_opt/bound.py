@@ -114,6 +114,7 @@ class Bound:
         # returns, (None, input i) or (allocation, dtype, shape, stride, element offset, whole).
         self.addresses: list[tuple] = []
         self.tensors: list[tuple] = []
+        self.constants: list[torch.Tensor] = []     # the constants the launches take, held while this lives
         index: dict[tuple, int] = {}
 
         def source(x, as_tensor: bool):
@@ -127,6 +128,7 @@ class Bound:
                 j = _buffer_of(x, buffers)
                 if j is None:
                     if launch.is_constant(x):
+                        self.constants.append(x)
                         return ("constant", x)
                     raise Unbindable(f"a launch takes a {list(x.shape)} {x.dtype} tensor that is neither an "
                                      "input, a buffer of the call nor a constant")

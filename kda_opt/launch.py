@@ -17,6 +17,8 @@ import math
 import os
 import struct
 import threading
+import weakref
+from collections import OrderedDict
 
 import cuda.tile as ct
 from cuda.tile.compilation import CallingConvention, ConstantConstraint, KernelSignature, ScalarConstraint, export_kernel
@@ -84,7 +86,8 @@ class CutileReplay:
     def __init__(self, kernel, grid, arguments: tuple, replaced: tuple):
         from cuda.bindings import driver
         signature = KernelSignature.from_kernel_args(kernel, arguments, CallingConvention.cutile_python_v2())
-        self.kernel, threads, layout = _driver_kernel(kernel, signature)
+        self.loaded = _driver_kernel(kernel, signature)        # held: its library stays loaded while this lives
+        self.kernel, threads, layout = self.loaded.function, self.loaded.threads, self.loaded.layout
         formats, values, argument_of = _parameters(signature, arguments)
         if [size for _, size in layout] != [struct.calcsize(f) for f in formats]:
             raise ReplayError(f"{signature.symbol[:40]}…'s parameters are not as its calling convention lays them out")
@@ -114,19 +117,23 @@ class CutileReplay:
             raise RuntimeError(f"cuLaunchKernel failed: {error!r}")
 
 
-# (kernel, specialisation's symbol, device) → (its CUfunction in the device's primary context, threads
-# per block, its parameters' (offset, size)s): each specialisation compiled and loaded once a process.
-_driver_kernels: dict = {}
+# (kernel, specialisation's symbol, device) → its _Loaded specialisation, the DRIVER_KERNELS most recently
+# used: each compiled and loaded once while it is here, and unloaded once neither this cache nor a
+# replay (CutileReplay) holds it.
+_driver_kernels: "OrderedDict[tuple, _Loaded]" = OrderedDict()
+DRIVER_KERNELS = 64
 ALIGNMENT_FIXED = 16    # the input alignment a plan's signature fixes (kda_opt/plan's key), in bytes
 _SCALAR_FORMATS = {ct.float32: "f", ct.float64: "d", ct.int32: "i", ct.int64: "q", ct.bool_: "?"}
 
 
-def _driver_kernel(kernel, signature):
-    """(CUfunction, threads, [(offset, size)] of its parameters) of `kernel` compiled for `signature`,
-    on the current device (a function, not the context-free CUkernel: the driver launches it for less)."""
-    device = torch.cuda.current_device()
-    key = (kernel, signature.symbol, device)
-    if key not in _driver_kernels:
+class _Loaded:
+    """A cuTile specialisation loaded through the driver: its library, its CUfunction in the device's
+    primary context (a function, not the context-free CUkernel: the driver launches it for less),
+    threads per block and parameters' (offset, size)s. When this is freed the library is unloaded,
+    after the device has finished what was launched from it (a synchronisation; during a graph
+    capture, which forbids one, it stays loaded)."""
+
+    def __init__(self, kernel, signature, device: int):
         from cuda.bindings import driver
         for c in signature.parameters:
             if getattr(c, "base_addr_divisible_by", 1) > ALIGNMENT_FIXED:
@@ -134,15 +141,32 @@ def _driver_kernel(kernel, signature):
         major, minor = torch.cuda.get_device_capability()
         binary = io.BytesIO()
         export_kernel(kernel, [signature], binary, gpu_code=f"sm_{major}{minor}", output_format="cubin")
-        library = _checked(driver.cuLibraryLoadData(binary.getvalue(), None, None, 0, None, None, 0))
-        handle = _checked(driver.cuLibraryGetKernel(library, signature.symbol.encode()))
-        threads = _checked(driver.cuKernelGetAttribute(
+        self._unload = driver.cuLibraryUnload
+        self.library = _checked(driver.cuLibraryLoadData(binary.getvalue(), None, None, 0, None, None, 0))
+        handle = _checked(driver.cuLibraryGetKernel(self.library, signature.symbol.encode()))
+        self.threads = _checked(driver.cuKernelGetAttribute(
             driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, handle, device))
-        layout = []
-        while (info := driver.cuKernelGetParamInfo(handle, len(layout)))[0] == driver.CUresult.CUDA_SUCCESS:
-            layout.append((info[1], info[2]))
-        _driver_kernels[key] = (_checked(driver.cuKernelGetFunction(handle)), threads, layout)
-    return _driver_kernels[key]
+        self.layout = []
+        while (info := driver.cuKernelGetParamInfo(handle, len(self.layout)))[0] == driver.CUresult.CUDA_SUCCESS:
+            self.layout.append((info[1], info[2]))
+        self.function = _checked(driver.cuKernelGetFunction(handle))
+        self.device = device
+
+    def __del__(self):
+        if getattr(self, "library", None) is None or torch.cuda.is_current_stream_capturing():
+            return
+        torch.cuda.synchronize(self.device)
+        self._unload(self.library)
+
+
+def _driver_kernel(kernel, signature) -> _Loaded:
+    """`kernel` compiled for `signature` and loaded on the current device, from the cache."""
+    key = (kernel, signature.symbol, torch.cuda.current_device())
+    loaded = _driver_kernels.pop(key, None) or _Loaded(kernel, signature, key[2])
+    _driver_kernels[key] = loaded                       # the most recently used last
+    while len(_driver_kernels) > DRIVER_KERNELS:
+        _driver_kernels.popitem(last=False)
+    return loaded
 
 
 def _checked(result):
@@ -188,12 +212,14 @@ def set_recorder(recorder) -> None:
     _thread.recorder = recorder
 
 
-_constants: dict[int, torch.Tensor] = {}
+# The package's constants, held weakly: a cache that drops one frees it, unless a bound call that
+# took it holds it (kda_opt/bound keeps a reference to each constant it replays).
+_constants: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
 
 
 def constant(x: torch.Tensor) -> torch.Tensor:
-    """x, marked as a tensor the package keeps for good, which a bound call may take as it is
-    (kda_opt/bound): it must never be freed nor written."""
+    """x, marked as a tensor of the package's own, which a bound call may take as it is
+    (kda_opt/bound): it is never written; whoever holds it keeps it."""
     _constants[id(x)] = x
     return x
 

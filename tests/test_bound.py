@@ -99,6 +99,31 @@ def test_bound_keeps_no_tensor_of_the_recorded_call(stand_ins):
     assert all(ref() is None for ref in kept) and replay is not None
 
 
+def test_a_bound_call_holds_the_constants_it_replays(stand_ins):
+    """The package holds its constants weakly (a cache that drops one frees it); a Bound that takes
+    one as it is (its address baked into a launch) holds it until the Bound itself is dropped."""
+    import gc
+    import weakref
+    compiled, tiles = stand_ins
+    table = launch.constant(torch.ones(4))
+
+    def call(a, b):
+        o, _ = a_call(compiled, a, b)
+        launch.triton_launch("fn", (1,), {"fn": compiled}, table, o, 0, o, None)
+        return o, None
+    a, b = torch.randn(3), torch.randn(2, 2)
+    (o, _), recording = bound.record(lambda: call(a, b), (a, b))
+    replay = recording.bound((o, None))
+    kept = weakref.ref(table)
+    del table, recording, o, call
+    tiles.clear()
+    gc.collect()
+    assert kept() is not None and launch.is_constant(kept())
+    del replay
+    gc.collect()
+    assert kept() is None
+
+
 @pytest.mark.parametrize("source", ["an input", "a constant"])
 def test_a_copy_is_replayed_in_its_place(stand_ins, source):
     """A copy into a buffer of the call, from one of its inputs (a parallel call's final state out of

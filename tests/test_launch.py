@@ -44,3 +44,39 @@ def test_gate_parameters_are_read_as_they_are():
     A_log, dt_bias = torch.zeros(2, dtype=torch.bfloat16), torch.zeros(16, dtype=torch.bfloat16)
     *_, A, b = forward._as_read(plan, x, x, x, x, x[..., 0], None, A_log, dt_bias)
     assert A is A_log and b is dt_bias
+
+
+def test_constants_are_freed_when_their_cache_drops_them():
+    """launch.constant marks a tensor without keeping it: dropped by whoever held it, it is freed."""
+    import gc
+    import weakref
+    x = launch.constant(torch.zeros(3))
+    kept = weakref.ref(x)
+    assert launch.is_constant(x)
+    del x
+    gc.collect()
+    assert kept() is None
+
+
+def test_driver_kernels_keep_the_most_recent_and_free_the_dropped(monkeypatch):
+    """The driver's specialisations: at most DRIVER_KERNELS cached, the least recently used dropped,
+    each freed (its library unloaded) once neither the cache nor a replay holds it."""
+    import gc
+    import weakref
+
+    class Loaded:
+        def __init__(self, kernel, signature, device):
+            self.key = (kernel, signature.symbol)
+    monkeypatch.setattr(launch, "_Loaded", Loaded)
+    monkeypatch.setattr(launch, "_driver_kernels", type(launch._driver_kernels)())
+    monkeypatch.setattr(launch.torch.cuda, "current_device", lambda: 0)
+    signature = lambda n: types.SimpleNamespace(symbol=f"s{n}")
+    held = launch._driver_kernel("k", signature(0))           # as a CutileReplay holds it
+    first = weakref.ref(launch._driver_kernel("k", signature(1)))
+    assert launch._driver_kernel("k", signature(0)) is held   # found again, now the most recent
+    for n in range(2, launch.DRIVER_KERNELS + 2):
+        launch._driver_kernel("k", signature(n))
+    gc.collect()
+    assert len(launch._driver_kernels) == launch.DRIVER_KERNELS
+    assert first() is None and held.key == ("k", "s0")
+    assert all(key[1] != "s0" for key in launch._driver_kernels)   # dropped from the cache, alive while held
