@@ -7,7 +7,7 @@ as ever under a Recording, which keeps each launch with its arguments, each buff
 allocates, and which tensors are the call's inputs. Its later calls replay that (Bound): one
 allocation per buffer the call returns and one for all the others, then the recorded launches with
 the new addresses, without the stages' Python: Triton's through their compiled launchers, cuTile's
-through the CUDA driver with their parameters packed once (kda_opt/launch.CutileReplay). (The first
+through the CUDA driver with their parameters packed once (kda_opt/fastpath.CutileReplay). (The first
 call is left unrecorded: it compiles.)
 
 A call is bound only where replaying it is sound, and otherwise runs as ever (Entry.unbound says
@@ -16,12 +16,13 @@ constant of the package (kda_opt/launch.constant); the call runs no torch operat
 views and copies from one of those tensors into another (replayed in their place among the launches;
 a fill, a cast or a concatenation made outside the launches would not be); and its launches depend
 on nothing outside the signature (kda_opt/plan's Plan.unbindable: no launch sized from a host copy's
-lengths, no time segments on two streams).
+lengths, no time segments on two streams), and the versions installed are those the replay's private
+launch interfaces were tested on (kda_opt/fastpath.FAST).
 """
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import launch
+from . import fastpath, launch
 
 aten = torch.ops.aten
 ALLOCATIONS = (aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided)
@@ -150,7 +151,7 @@ class Bound:
 
         # Each launch: (kind, what launches it, grid, arguments, fills): a Triton launch's arguments
         # with None where fills [(n, address index)] put the replay's addresses; a cuTile launch
-        # replayed through the driver (launch.CutileReplay), its fills the address indices of the
+        # replayed through the driver (fastpath.CutileReplay), its fills the address indices of the
         # tensors it replaces in order; a copy's fills its two tensors' indices (a constant source as itself).
         self.launches = []
         for kind, kernel, grid, arguments in recording.launches:
@@ -173,8 +174,8 @@ class Bound:
                         replaced.append(n)
                         fills.append(how)
                 try:
-                    replay = launch.CutileReplay(kernel, grid, arguments, tuple(replaced))
-                except launch.ReplayError as e:
+                    replay = fastpath.CutileReplay(kernel, grid, arguments, tuple(replaced))
+                except fastpath.ReplayError as e:
                     raise Unbindable(f"its cuTile launch cannot be replayed: {e}") from None
                 self.launches.append((kind, replay, None, None, fills))
             else:
@@ -207,7 +208,7 @@ class Bound:
                 arguments = template.copy()
                 for n, p in fills:
                     arguments[n] = addresses[p]
-                kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, None, None, None, *arguments)
+                fastpath.run_compiled(kernel, grid, stream, arguments)
             elif kind == "cutile":
                 kernel(stream, [addresses[p] for p in fills])
             else:
@@ -248,7 +249,9 @@ def call(entry, inputs: tuple, run, unbindable: str | None = None):
     if entry.bound is not None:
         return entry.bound(inputs)
     if entry.unbound is None:
-        if unbindable is not None:
+        if not fastpath.FAST:
+            entry.unbound = "a replay takes private launch interfaces not tested on these versions (kda_opt/fastpath)"
+        elif unbindable is not None:
             entry.unbound = unbindable
         elif inputs[0].is_cuda and not torch.cuda.is_current_stream_capturing():
             entry.runs += 1

@@ -6,7 +6,7 @@ import types
 import pytest
 import torch
 
-from kda_opt import bound, launch
+from kda_opt import bound, fastpath, launch
 from tests.conftest import gpu
 
 
@@ -22,7 +22,7 @@ class Compiled:
 
 
 class Replayed:
-    """A stand-in for a cuTile launch replayed through the driver (launch.CutileReplay): it keeps
+    """A stand-in for a cuTile launch replayed through the driver (fastpath.CutileReplay): it keeps
     what the real one keeps, not the recorded tensors, and each replay's addresses."""
     made = []
 
@@ -42,9 +42,10 @@ def stand_ins(monkeypatch):
     cuTile replays in Replayed.made."""
     tiles = []
     Replayed.made = []
+    monkeypatch.setattr(fastpath, "FAST", True)
     monkeypatch.setattr(launch, "current_stream", lambda: 0)
     monkeypatch.setattr(launch, "cutile", lambda stream, grid, kernel, args: tiles.append((grid, kernel, args)))
-    monkeypatch.setattr(launch, "CutileReplay", Replayed)
+    monkeypatch.setattr(fastpath, "CutileReplay", Replayed)
     return Compiled(), tiles
 
 
@@ -174,8 +175,8 @@ def test_a_cutile_launch_the_driver_cannot_replay_leaves_the_call_unbound(stand_
     compiled, _ = stand_ins
 
     def unreplayable(*args):
-        raise launch.ReplayError("no format for a float16 scalar")
-    monkeypatch.setattr(launch, "CutileReplay", unreplayable)
+        raise fastpath.ReplayError("no format for a float16 scalar")
+    monkeypatch.setattr(fastpath, "CutileReplay", unreplayable)
     a, b = torch.randn(3), torch.randn(2, 2)
     result, recording = bound.record(lambda: a_call(compiled, a, b), (a, b))
     with pytest.raises(bound.Unbindable, match="cuTile launch cannot be replayed: no format"):
@@ -191,6 +192,7 @@ def test_call_records_the_second_run_and_replays_later_ones(monkeypatch):
     an unbindable plan, NVTX ranges and launch hooks run plain."""
     entry = types.SimpleNamespace(bound=None, unbound=None, runs=0)
     x = types.SimpleNamespace(is_cuda=True)
+    monkeypatch.setattr(fastpath, "FAST", True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     recorded = []
     monkeypatch.setattr(bound, "record", lambda run, inputs: (recorded.append(inputs) or run(), _Recording()))

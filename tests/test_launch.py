@@ -2,9 +2,10 @@
 allocation's views, the compiled launcher's arguments, the gate parameters left in their dtype."""
 import types
 
+import pytest
 import torch
 
-from kda_opt import forward, launch
+from kda_opt import bound, fastpath, forward, launch
 from kda_opt.options import GateConfig
 
 
@@ -29,12 +30,50 @@ def test_compiled_launcher_gets_tensors_as_addresses(monkeypatch):
     runs = []
     compiled = types.SimpleNamespace(function="f", packed_metadata="m", run=lambda *a: runs.append(a))
     fn = object()
+    monkeypatch.setattr(fastpath, "FAST", True)
     monkeypatch.setattr(launch, "current_stream", lambda: 7)
     x = torch.zeros(4)
     launch.triton_launch(fn, (2,), {fn: compiled}, x, None, 3, 0.5)
     (args,), = [runs]
     assert args[:9] == (2, 1, 1, 7, "f", "m", None, None, None)
     assert args[9:] == (x.data_ptr(), None, 3, 0.5) and type(args[9]) is int
+
+
+@pytest.mark.parametrize("versions, fast", [
+    ({"torch": "2.11.0+cu130", "triton": "3.6.0", "cuda-tile": "1.7.0"}, True),
+    ({"torch": "2.11.1", "triton": "3.6.2", "cuda-tile": "1.7.3"}, True),       # patch releases
+    ({"torch": "2.14.1", "triton": "3.6.0", "cuda-tile": "1.7.0"}, False),
+    ({"torch": "2.11.0", "triton": "3.8.0", "cuda-tile": "1.7.0"}, False),
+    ({"torch": "2.11.0", "triton": "3.6.0", "cuda-tile": "1.8.0"}, False),
+    ({"torch": "2.11.0", "triton": "3.6.0", "cuda-tile": None}, False),
+])
+def test_fast_path_only_on_tested_versions(versions, fast):
+    assert fastpath.tested(versions) is fast
+
+
+def test_untested_versions_take_the_public_launches(monkeypatch):
+    """On versions the fast path was not tested on: each Triton launch through fn[grid](...) (the JIT),
+    no compiled kernel kept or run, the public current stream, and no call bound."""
+    monkeypatch.setattr(fastpath, "FAST", fastpath.tested({"torch": "2.99.0", "triton": "3.6.0", "cuda-tile": "1.7.0"}))
+    compiled = types.SimpleNamespace(function="f", packed_metadata="m", run=lambda *a: pytest.fail("compiled launch"))
+    jit = []
+
+    class Fn:
+        arg_names = ("x",)
+
+        def __getitem__(self, grid):
+            return lambda *params, **options: jit.append((grid, params)) or compiled
+    fn, kernels = Fn(), {}
+    launch.triton_launch(fn, (2,), kernels, 3)
+    kernels[fn] = compiled                      # even a kernel kept before is not run
+    launch.triton_launch(fn, (2,), kernels, 4)
+    assert jit == [((2,), (3,)), ((2,), (4,))]
+    streams = types.SimpleNamespace(current_stream=lambda: types.SimpleNamespace(cuda_stream=9))
+    monkeypatch.setattr(fastpath.torch, "cuda", streams)
+    assert fastpath.current_stream() == 9
+    entry = types.SimpleNamespace(bound=None, unbound=None, runs=0)
+    assert [bound.call(entry, (types.SimpleNamespace(is_cuda=True),), lambda: "ran") for _ in range(3)] == ["ran"] * 3
+    assert "not tested on these versions" in entry.unbound
 
 
 def test_gate_parameters_are_read_as_they_are():
@@ -67,16 +106,16 @@ def test_driver_kernels_keep_the_most_recent_and_free_the_dropped(monkeypatch):
     class Loaded:
         def __init__(self, kernel, signature, device):
             self.key = (kernel, signature.symbol)
-    monkeypatch.setattr(launch, "_Loaded", Loaded)
-    monkeypatch.setattr(launch, "_driver_kernels", type(launch._driver_kernels)())
-    monkeypatch.setattr(launch.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(fastpath, "_Loaded", Loaded)
+    monkeypatch.setattr(fastpath, "_driver_kernels", type(fastpath._driver_kernels)())
+    monkeypatch.setattr(fastpath.torch.cuda, "current_device", lambda: 0)
     signature = lambda n: types.SimpleNamespace(symbol=f"s{n}")
-    held = launch._driver_kernel("k", signature(0))           # as a CutileReplay holds it
-    first = weakref.ref(launch._driver_kernel("k", signature(1)))
-    assert launch._driver_kernel("k", signature(0)) is held   # found again, now the most recent
-    for n in range(2, launch.DRIVER_KERNELS + 2):
-        launch._driver_kernel("k", signature(n))
+    held = fastpath._driver_kernel("k", signature(0))           # as a CutileReplay holds it
+    first = weakref.ref(fastpath._driver_kernel("k", signature(1)))
+    assert fastpath._driver_kernel("k", signature(0)) is held   # found again, now the most recent
+    for n in range(2, fastpath.DRIVER_KERNELS + 2):
+        fastpath._driver_kernel("k", signature(n))
     gc.collect()
-    assert len(launch._driver_kernels) == launch.DRIVER_KERNELS
+    assert len(fastpath._driver_kernels) == fastpath.DRIVER_KERNELS
     assert first() is None and held.key == ("k", "s0")
-    assert all(key[1] != "s0" for key in launch._driver_kernels)   # dropped from the cache, alive while held
+    assert all(key[1] != "s0" for key in fastpath._driver_kernels)   # dropped from the cache, alive while held
