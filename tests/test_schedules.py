@@ -16,10 +16,11 @@ from kda_opt import forward
 from kda_opt.options import CHUNK, state_shape
 from kda_opt.plan import Tuning, make_plan
 from kda_opt.reference import recurrent_kda
-from tests.conftest import rel_err
+from tests.conftest import kernel_device, rel_err
 
 H, HV, K, V = 1, 2, 16 * 4, 64
 SMS = 8                                  # a small GPU's count, so that few heads already fill it
+D = kernel_device()                      # the GPU, or the CPU (the Triton kernels under the interpreter)
 TOL = 1e-5                               # fp32 inputs and outputs, the merge's products in fp32
 
 
@@ -48,7 +49,7 @@ class Stage4:
                                ranges=[(first + b0, first + e0) for _, b0, e0 in bounds]))
         for n in _programs(bounds, order, short_sequences and cu_seqlens is not None, decoded, sequence_counts):
             b, bos, eos = bounds[n]
-            S = torch.zeros(HV, K, W, dtype=torch.float64)
+            S = torch.zeros(HV, K, W, dtype=torch.float64, device=self.q.device)
             if initial_state is not None:
                 row, use = n, True
                 if read_slots:
@@ -67,7 +68,7 @@ class Stage4:
             done = 0
             for j, end in enumerate(ends or [eos - bos]):
                 t0, t1 = first + bos + done, first + bos + end
-                values = torch.zeros(1, t1 - t0, HV, W, dtype=torch.float64) if transition else self.v[b:b + 1, t0:t1]
+                values = torch.zeros(1, t1 - t0, HV, W, dtype=torch.float64, device=self.q.device) if transition else self.v[b:b + 1, t0:t1]
                 part, S = recurrent_kda(self.q[b:b + 1, t0:t1], self.k[b:b + 1, t0:t1], values,
                                         self.a[b:b + 1, t0:t1], self.beta[b:b + 1, t0:t1], scale, S[None])
                 S = S[0]
@@ -110,7 +111,7 @@ def inputs(T, B=1, seed=0):
     v = torch.randn(B, T, HV, V, generator=gen)
     g = -0.05 * torch.rand(B, T, HV, K, generator=gen)
     beta = torch.rand(B, T, HV, generator=gen)
-    return dict(q=q, k=k, v=v, g=g, beta=beta)
+    return {n: x.to(D) for n, x in dict(q=q, k=k, v=v, g=g, beta=beta).items()}
 
 
 def run(call, tuning=Tuning()):
@@ -152,12 +153,12 @@ def state_after(call, bos, end, start):
 def packed(lens, **extra):
     call = inputs(sum(lens))
     cu = torch.tensor([0, *lens]).cumsum(0)
-    return {**call, "cu_seqlens": cu.int(), **extra}
+    return {**call, "cu_seqlens": cu.int().to(D), **extra}
 
 
 def test_one_pass_of_a_batch_with_a_dense_state():
     call = inputs(150, B=2)
-    h0 = torch.randn(2, HV, K, V, generator=torch.Generator().manual_seed(1))
+    h0 = torch.randn(2, HV, K, V, generator=torch.Generator().manual_seed(1)).to(D)
     call.update(initial_state=h0, output_final_state=True)
     plan, o, final, stage4 = run(call)
     assert plan.segments == ((0, 150),) and not plan.parallel and len(stage4.calls) == 1
@@ -172,9 +173,9 @@ def test_one_pass_packed_with_a_pool_and_routed_decodes(v_first):
     others through stage 4: a padding slot (−1) starts from zeros and writes nothing, a slot past
     the pool reads zeros, has_initial_state false starts from zeros and still writes."""
     lens = [70, 1, 130, 1, 20]
-    pool = torch.randn(8, HV, *((V, K) if v_first else (K, V)), generator=torch.Generator().manual_seed(2))
-    slots = torch.tensor([3, 5, -1, 0, 6], dtype=torch.int32)
-    mask = torch.tensor([True, True, True, True, False])
+    pool = torch.randn(8, HV, *((V, K) if v_first else (K, V)), generator=torch.Generator().manual_seed(2)).to(D)
+    slots = torch.tensor([3, 5, -1, 0, 6], dtype=torch.int32, device=D)
+    mask = torch.tensor([True, True, True, True, False], device=D)
     call = packed(lens, initial_state=pool.clone(), initial_state_indices=slots, has_initial_state=mask,
                   state_v_first=v_first)
     plan, o, final, stage4 = run(call)
@@ -204,13 +205,13 @@ def test_one_pass_packed_checkpoints(every, offsets):
     """The state after every `every` tokens and after the last, packed rows in order; with offsets,
     the first after f_n tokens and the next every `every` after it."""
     lens = [200, 64, 90]
-    h0 = torch.randn(3, HV, K, V, generator=torch.Generator().manual_seed(3))
+    h0 = torch.randn(3, HV, K, V, generator=torch.Generator().manual_seed(3)).to(D)
     ends = [sorted({min(e, n) for e in range(every if f is None else f, n + every, every)})
             for n, f in zip(lens, offsets or [None] * 3)]
     rows = sum(map(len, ends))
-    ck = torch.full((1, rows + 2, HV, K, V), 7.0)
+    ck = torch.full((1, rows + 2, HV, K, V), 7.0, device=D)
     call = packed(lens, initial_state=h0, output_final_state=True, checkpoints=ck, checkpoint_every=every,
-                  **({} if offsets is None else {"checkpoint_offsets": torch.tensor(offsets, dtype=torch.int32)}))
+                  **({} if offsets is None else {"checkpoint_offsets": torch.tensor(offsets, dtype=torch.int32, device=D)}))
     plan, o, final, _ = run(call)
     ref_o, ref_s = truth(call, lens, list(h0))
     assert rel_err(o, ref_o) <= TOL and rel_err(final, ref_s) <= TOL
@@ -224,12 +225,12 @@ def test_time_segments_hand_the_state_on(pool):
     before left, the first from the call's (a pool slot), the last writes the final state;
     checkpoints of every segment in their rows."""
     T = 300
-    h0 = torch.randn(4 if pool else 1, HV, K, V, generator=torch.Generator().manual_seed(4))
-    ck = torch.zeros(1, 5, HV, K, V)
+    h0 = torch.randn(4 if pool else 1, HV, K, V, generator=torch.Generator().manual_seed(4)).to(D)
+    ck = torch.zeros(1, 5, HV, K, V, device=D)
     call = inputs(T)
     call.update(initial_state=h0.clone(), checkpoints=ck)
     if pool:
-        call["initial_state_indices"] = torch.tensor([2], dtype=torch.int32)
+        call["initial_state_indices"] = torch.tensor([2], dtype=torch.int32, device=D)
     else:
         call["output_final_state"] = True
     plan, o, final, stage4 = run(call, Tuning(segment_tokens=64, max_segments=3))
@@ -249,18 +250,18 @@ def test_parallel_segments_merge_their_transitions(state):
     final state (a pool slot) and a checkpoint per chunk against the recurrence."""
     T = 320
     call = inputs(T)
-    h0 = torch.randn(3, HV, K, V, generator=torch.Generator().manual_seed(5))
-    ck = torch.zeros(1, 5, HV, K, V)
+    h0 = torch.randn(3, HV, K, V, generator=torch.Generator().manual_seed(5)).to(D)
+    ck = torch.zeros(1, 5, HV, K, V, device=D)
     call["checkpoints"] = ck
     start = None
     if state == "dense":
         call.update(initial_state=h0[:1].clone(), output_final_state=True)
         start = h0[0]
     elif state.startswith("pool"):
-        call.update(initial_state=h0.clone(), initial_state_indices=torch.tensor([1], dtype=torch.int32))
+        call.update(initial_state=h0.clone(), initial_state_indices=torch.tensor([1], dtype=torch.int32, device=D))
         start = h0[1]
         if state.endswith("false"):
-            call["has_initial_state"] = torch.tensor([False])
+            call["has_initial_state"] = torch.tensor([False], device=D)
             start = None
     else:
         call["output_final_state"] = True
@@ -279,13 +280,13 @@ def test_packed_sequences_cut_into_pieces(pool):
     in five) and the short one whole: o, each sequence's final state (a pool slot, −1 writing nothing)
     and the checkpoints of every chunk against the recurrence."""
     lens = [320, 30, 150]
-    h0 = torch.randn(6, HV, K, V, generator=torch.Generator().manual_seed(6))
+    h0 = torch.randn(6, HV, K, V, generator=torch.Generator().manual_seed(6)).to(D)
     rows = sum(-(-n // CHUNK) for n in lens)
-    ck = torch.zeros(1, rows, HV, K, V)
+    ck = torch.zeros(1, rows, HV, K, V, device=D)
     call = packed(lens, cu_seqlens_cpu=torch.tensor([0, *lens]).cumsum(0), checkpoints=ck)
     slots = [4, -1, 0]
     if pool:
-        call.update(initial_state=h0.clone(), initial_state_indices=torch.tensor(slots, dtype=torch.int32))
+        call.update(initial_state=h0.clone(), initial_state_indices=torch.tensor(slots, dtype=torch.int32, device=D))
         starts = [h0[4], None, h0[0]]
     else:
         call.update(initial_state=h0[:3].clone(), output_final_state=True)
