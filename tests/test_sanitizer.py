@@ -20,7 +20,7 @@ SANITIZER = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sa
 # memcheck: every global access inside an allocation (leaks are the caching allocator's business);
 # racecheck: shared-memory hazards; synccheck: barriers; initcheck: no read of memory never written.
 TOOLS = {"memcheck": ["--leak-check", "no"], "racecheck": [], "synccheck": [], "initcheck": []}
-# initcheck does not see TMA stores (UTMASTG in the SASS; a reproducer in docs/DESIGN.md), by which
+# initcheck does not see TMA stores (UTMASTG in the SASS; a reproducer in docs/BENCHMARKING.md), by which
 # stage 4 writes o, the final states and checkpoints, and so takes every later read of them (the
 # merge of parallel segments, the next time segment's stage 4) for a read of memory never written.
 # Under it those buffers are zeroed before each stage-4 launch (sanitizer_calls.py
