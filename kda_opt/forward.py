@@ -15,8 +15,9 @@ call unbindable is then bound (kda_opt/bound): its launches recorded once and re
 `launch`, inside an NVTX range of the `kda_opt` domain where KDA_OPT_NVTX=1 asks for them; nothing
 here waits on the device.
 
-A call runs in one pass, or in time segments or parallel segments (kda_opt/plan decides which),
-whose schedules are kda_opt/schedules'.
+A call runs in one pass, or in time segments or parallel segments, as kda_opt/plan.schedule_of resolves
+it once per call (from the plan and, for packed sequences, their host copy); `run` dispatches on that,
+and kda_opt/schedules runs the segments.
 """
 import contextlib
 import functools
@@ -31,9 +32,9 @@ from .intra import intra_chunk
 from .decode import decode
 from .launch import Kernels, annotated, direct, nvtx_enabled, one_allocation
 from .options import CHUNK
-from .plan import Plan, Tuning, make_plan, plan_for
-from .schedules import final_states, packed_pieces, parallel, parallel_packed, pipelined, units
-from .seqs import block_offsets, longest_first, packed, phased, sequence_counts
+from .plan import OnePass, ParallelSegments, Pieces, Plan, TimeSegments, Tuning, make_plan, plan_for, schedule_of
+from .schedules import final_states, parallel, parallel_packed, pipelined, units
+from .seqs import block_offsets, longest_first, packed, phased
 from .wuso import wuso
 
 
@@ -242,11 +243,12 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
     and the stages' launches sized where plan.sized_launches says."""
     ranges = nvtx_enabled()
     launch = launch or (annotated if ranges else direct)
+    schedule = schedule_of(plan, cu_seqlens_cpu, lambda: q.is_cuda and torch.cuda.is_current_stream_capturing())
     q, k, v, g, beta, initial_state, A_log, dt_bias = _as_read(plan, q, k, v, g, beta, initial_state, A_log, dt_bias)
     cu_seqlens = cu_seqlens if plan.packed else None        # one sequence over [0, T]: the B = 1 call
     prepare = functools.partial(_stages_1_to_3, plan, launch, kernels, A_log=A_log, dt_bias=dt_bias)
     if made is not None:
-        if plan.checkpoint_offsets or not plan.parallel and len(plan.segments) > 1:
+        if plan.checkpoint_offsets or isinstance(schedule, TimeSegments):
             raise ValueError("stages 1–3 computed before serve calls of one time segment, without checkpoint "
                              "offsets")
         prepare = lambda *_, **__: made
@@ -254,40 +256,38 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
                                state_v_first=plan.state_v_first, worker_warps=plan.worker_warps,
                                checkpoint_every=plan.checkpoint_every // CHUNK,
                                short_sequences=plan.short_sequences)
+    one_pass = schedule if isinstance(schedule, OnePass) else OnePass(None, False, False)
     with nvtx.annotate("kda_opt/forward", domain="kda_opt") if ranges else contextlib.nullcontext():
-        cut = None if plan.parallel else packed_pieces(plan, cu_seqlens_cpu)
-        one_pass = not plan.parallel and cut is None and len(plan.segments) == 1
-        routed = one_pass and plan.decode is not None     # its sequences of one token through kda_opt/decode
-        # Launches sized from the host lengths, but not in a graph (replayed on other lengths).
-        sized = one_pass and plan.sized_launches and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
-        counts = sequence_counts(cu_seqlens_cpu, routed) if sized else None
         seqs = rows = None
         if plan.checkpoint_offsets:
             seqs, rows = launch("seqs", phased, cu_seqlens, checkpoint_offsets, plan.T, plan.checkpoint_every, kernels)
         elif plan.packed:
-            seqs = launch("seqs", packed, cu_seqlens, plan.T, kernels, skip_single=routed,
-                          chunks=None if counts is None else counts.chunks)
+            seqs = launch("seqs", packed, cu_seqlens, plan.T, kernels, skip_single=one_pass.routed,
+                          chunks=None if one_pass.counts is None else one_pass.counts.chunks)
         final = initial_state if plan.state_pool else final_states(plan, v) if plan.output_final_state else None
         if plan.pad_slot is not None:           # the pad slot as a negative one: not read, not written
             initial_state_indices = initial_state_indices.masked_fill(initial_state_indices == plan.pad_slot, -1)
         state = dict(initial_state=initial_state, final_state=final, slots=initial_state_indices,
                      read_slots=plan.state_pool, write_slots=plan.state_pool, has_initial_state=has_initial_state)
-        if plan.parallel:
-            o = parallel(plan, q, k, v, g, beta, state, checkpoints, prepare, stage4)
-        elif cut is not None:
-            o = parallel_packed(plan, q, k, v, g, beta, seqs, state, checkpoints, prepare, stage4, *cut)
-        elif one_pass:
-            gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, seqs)
-            order = launch("seqs", longest_first, cu_seqlens, plan.T, kernels) if plan.longest_first else None
-            o = stage4(q, k, v, gcum, Tm, Aqk, **state, checkpoints=checkpoints, order=order, sequence_counts=counts,
-                       checkpoint_rows=rows if rows is not None else _checkpoint_rows(plan, checkpoints, seqs, kernels),
-                       checkpoint_first=checkpoint_offsets, cu_seqlens=cu_seqlens, qk_rstd=rstd, beta_residual=r,
-                       decoded=routed)
-            if routed:                      # the sequences of one token: their o rows and states
-                launch("decode", decode, plan.decode, q, k, v, g, beta, A_log, dt_bias, initial_state,
-                       final, cu_seqlens, initial_state_indices, None, o, has_initial_state, kernels=kernels)
-        else:
-            o = pipelined(plan, q, k, v, g, beta, state, checkpoints, prepare, stage4)
+        inputs = (q, k, v, g, beta)
+        match schedule:
+            case ParallelSegments(segments):
+                o = parallel(plan, segments, *inputs, state, checkpoints, prepare, stage4)
+            case Pieces(pieces, block_v):
+                o = parallel_packed(plan, pieces, block_v, *inputs, seqs, state, checkpoints, prepare, stage4)
+            case TimeSegments(segments):
+                o = pipelined(plan, segments, *inputs, state, checkpoints, prepare, stage4)
+            case OnePass(counts, routed, ordered):
+                gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, seqs)
+                order = launch("seqs", longest_first, cu_seqlens, plan.T, kernels) if ordered else None
+                o = stage4(q, k, v, gcum, Tm, Aqk, **state, checkpoints=checkpoints, order=order,
+                           sequence_counts=counts, checkpoint_rows=rows if rows is not None
+                           else _checkpoint_rows(plan, checkpoints, seqs, kernels),
+                           checkpoint_first=checkpoint_offsets, cu_seqlens=cu_seqlens, qk_rstd=rstd,
+                           beta_residual=r, decoded=routed)
+                if routed:                      # the sequences of one token: their o rows and states
+                    launch("decode", decode, plan.decode, q, k, v, g, beta, A_log, dt_bias, initial_state,
+                           final, cu_seqlens, initial_state_indices, None, o, has_initial_state, kernels=kernels)
         return o, None if plan.state_pool else final
 
 

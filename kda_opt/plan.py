@@ -34,13 +34,14 @@ import numbers
 import operator
 import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from .intra import warps_for
 from .launch import ALIGNMENT_FIXED, Kernels
 from .options import CHUNK, SAFE_LOWER_BOUND, GateConfig, Read, Write, in_safe_range, state_shape
-from .seqs import RANK_MAX
+from .seqs import RANK_MAX, Counts, sequence_counts
 from .wuso import INT32_MAX, WORKER_WARPS, block_v_for
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # q, k, v; and the initial state
@@ -357,6 +358,52 @@ def cut_sequences(cu_seqlens: list[int], HV: int, cut: ParallelCut) -> tuple[tup
     step = alone[0][1]
     return tuple((n, t, min(t + step, t1)) for n, (t0, t1) in enumerate(zip(cu_seqlens, cu_seqlens[1:]))
                  for t in range(t0, max(t1, t0 + 1), step))
+
+
+class OnePass(NamedTuple):
+    """Stage 4 once over the call's sequences."""
+    counts: Counts | None   # the stages' launches sized from the host lengths (Plan.sized_launches)
+    routed: bool            # packed: its one-token sequences through kda_opt/decode (Plan.decode)
+    ordered: bool           # packed: stage 4's programs longest first (Plan.longest_first)
+
+
+class TimeSegments(NamedTuple):
+    """One sequence in token ranges one after another (time_segments)."""
+    segments: tuple[tuple[int, int], ...]
+
+
+class ParallelSegments(NamedTuple):
+    """One sequence in token ranges at once (parallel_segments)."""
+    segments: tuple[tuple[int, int], ...]
+
+
+class Pieces(NamedTuple):
+    """Packed sequences, the long ones cut into parallel segments on this call (cut_sequences)."""
+    pieces: tuple[tuple[int, int, int], ...]    # (sequence, t0, t1), every sequence's rows in order
+    block_v: int                                # stage 4's V block over the pieces
+
+
+Schedule = OnePass | TimeSegments | ParallelSegments | Pieces
+
+
+def schedule_of(plan: "Plan", cu_seqlens_cpu=None, capturing=lambda: False) -> Schedule:
+    """How kda_opt/forward runs a call of `plan`: what the plan fixed, and for packed sequences what
+    their host copy (cu_seqlens_cpu) says on this call: whether the long ones are cut (plan.parallel_cut)
+    and the launches' sizes (plan.sized_launches; not while capturing() says a CUDA graph is being
+    captured, whose replays may see other lengths)."""
+    if plan.parallel:
+        return ParallelSegments(plan.segments)
+    if len(plan.segments) > 1:
+        return TimeSegments(plan.segments)
+    cut = plan.parallel_cut
+    if cut is not None and cu_seqlens_cpu is not None:
+        pieces = cut_sequences(cu_seqlens_cpu.tolist(), plan.HV, cut)
+        if pieces is not None:
+            return Pieces(pieces, cut.block_v or block_v_for(len(pieces) * plan.HV, math.gcd(plan.V, plan.K),
+                                                             cut.sms, plan.dtype))
+    routed = plan.decode is not None
+    sized = plan.sized_launches and not capturing()
+    return OnePass(sequence_counts(cu_seqlens_cpu, routed) if sized else None, routed, plan.longest_first)
 
 
 # Packed sequences are cut into parallel segments where the longest has at least CUT_FROM tokens and

@@ -1,6 +1,8 @@
 """The schedules of a call too long for one pass, as kda_opt/forward runs them: each takes the
-plan, the inputs, stage 4's state arguments of the whole call (`state`), stages 1–3 as one function
-(`prepare`) and stage 4's launcher (`stage4`), and returns o.
+plan (its sizes and layouts), what kda_opt/plan.schedule_of resolved for the call (its token ranges, or
+its pieces and their V block), the inputs, stage 4's state arguments of the whole call (`state`),
+stages 1–3 as one function (`prepare`) and stage 4's launcher (`stage4`), and returns o. Nothing here
+chooses a schedule.
 
 Time segments (kda_opt/plan decides them): stages 1–3 of segment s + 1 run on a second stream while
 stage 4 runs segment s on the SMs it leaves idle, and each segment's final state (fp32, as stage 4
@@ -35,24 +37,22 @@ import triton.language as tl
 from . import launch
 from .launch import triton_launch
 from .options import state_shape
-from .plan import Plan, cut_sequences
-from .wuso import block_v_for
 
 
-def final_states(plan: Plan, like: torch.Tensor) -> torch.Tensor:
+def final_states(plan, like: torch.Tensor) -> torch.Tensor:
     """An fp32 state for each of the plan's sequences, in its layout."""
     return like.new_empty(state_shape(plan.N, plan.HV, plan.K, plan.V, plan.state_v_first), dtype=torch.float32)
 
 
-def parallel(plan: Plan, q, k, v, g, beta, state, checkpoints, prepare, stage4):
-    """o over plan.segments of one sequence (B = 1) run at once (module docstring, "Parallel
+def parallel(plan, segments, q, k, v, g, beta, state, checkpoints, prepare, stage4):
+    """o over `segments` ((t0, t1), ...) of one sequence (B = 1) run at once (module docstring, "Parallel
     segments"); `state` holds stage 4's state arguments of the whole call. A pool slot is read by
     segment 0 and written by the last; a dense final state is the last segment's row of its own
     buffer, copied. With a dense state or none, and no has_initial_state, the call runs nothing but
     allocations, views, copies and launches (its tables package constants), so kda_opt/bound can
     replay it."""
-    S = len(plan.segments)
-    t = _segment_tables(q.device, plan.segments, plan.checkpoint_every)
+    S = len(segments)
+    t = _segment_tables(q.device, segments, plan.checkpoint_every)
     gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta)
     common = dict(qk_rstd=rstd, beta_residual=r)
     o = torch.empty_like(v)
@@ -104,17 +104,7 @@ def _beside(x: torch.Tensor, table: torch.Tensor, first: bool) -> torch.Tensor:
     return out
 
 
-def packed_pieces(plan: Plan, cu_seqlens_cpu) -> tuple[tuple[tuple[int, int, int], ...], int] | None:
-    """Packed sequences with their host copy: the pieces (n, t0, t1) they run as in parallel
-    segments on this call (kda_opt/plan.cut_sequences), with their V block; else None."""
-    cut = plan.parallel_cut
-    pieces = None if cut is None or cu_seqlens_cpu is None else cut_sequences(cu_seqlens_cpu.tolist(), plan.HV, cut)
-    if pieces is None:
-        return None
-    return pieces, cut.block_v or block_v_for(len(pieces) * plan.HV, math.gcd(plan.V, plan.K), cut.sms, plan.dtype)
-
-
-def parallel_packed(plan: Plan, q, k, v, g, beta, seqs, state, checkpoints, prepare, stage4, pieces, block_v):
+def parallel_packed(plan, pieces, block_v, q, k, v, g, beta, seqs, state, checkpoints, prepare, stage4):
     """o over `pieces` ((n, t0, t1), ...: every packed sequence's rows in order, the long ones cut into
     segments) run at once (module docstring, "Parallel segments"): three stage-4 passes, each over the
     run of pieces it needs. `state` holds stage 4's state arguments of the whole call: a sequence's
@@ -239,7 +229,7 @@ def merge_kernel(h, M, out, n, K: tl.constexpr, V: tl.constexpr, BV: tl.constexp
         M += CHAINS * K * K
 
 
-def _state_row(plan: Plan) -> tuple[int, int, int]:
+def _state_row(plan) -> tuple[int, int, int]:
     """One sequence's state shape without N: [HV, K, V], or [HV, V, K] V-first."""
     return state_shape(1, plan.HV, plan.K, plan.V, plan.state_v_first)[1:]
 
@@ -327,8 +317,8 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-def pipelined(plan: Plan, q, k, v, g, beta, state, checkpoints, prepare, stage4):
-    """o over plan.segments of one sequence (B = 1): stages 1–3 of each segment on a side stream,
+def pipelined(plan, segments, q, k, v, g, beta, state, checkpoints, prepare, stage4):
+    """o over `segments` ((t0, t1), ...) of one sequence (B = 1): stages 1–3 of each segment on a side stream,
     stage 4 on the caller's, which waits for them (on a device without streams, the CPU of the tests,
     one after the other). `state` holds stage 4's state arguments of the whole call: the first segment
     reads the initial state (a pool row too), the last writes the final one; between them the state is
@@ -338,8 +328,8 @@ def pipelined(plan: Plan, q, k, v, g, beta, state, checkpoints, prepare, stage4)
         side.wait_stream(torch.cuda.current_stream(q.device))   # q, k, v, g, beta as the caller's stream left them
     o = torch.empty_like(v)
     handed = [final_states(plan, v), final_states(plan, v)]
-    last = len(plan.segments) - 1
-    for i, (t0, t1) in enumerate(plan.segments):
+    last = len(segments) - 1
+    for i, (t0, t1) in enumerate(segments):
         part = lambda x: x[:, t0:t1]            # B = 1: a view of whole token rows
         gcum, Aqk, Tm, r, rstd = _ahead(side, lambda: prepare(part(q), part(k), part(g), part(beta)))
         reads = dict(initial_state=state["initial_state"], has_initial_state=state["has_initial_state"]) if i == 0 \

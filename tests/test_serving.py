@@ -9,9 +9,8 @@ import kda_opt  # noqa: F401  registers the ops
 from kda_bench.inputs import random_inputs
 from kda_opt import kda_forward
 from kda_opt.forward import RUN_TENSORS, run
-from kda_opt.plan import Tuning, make_plan
+from kda_opt.plan import Pieces, Tuning, make_plan, schedule_of
 from kda_opt.reference import reference_forward
-from kda_opt.schedules import packed_pieces
 from tests.conftest import gpu, rel_err
 from tests.test_op import DEFAULTS
 
@@ -422,7 +421,7 @@ def test_calls_of_one_plan_cut_and_not(first):
                                  **CALLS["flashkda"]) for name, lens in calls.items()}
     for name, call in calls.items():
         plan = make_plan(**call)
-        assert (packed_pieces(plan, call["cu_seqlens_cpu"]) is not None) == (name == "cut") and plan.decode
+        assert isinstance(schedule_of(plan, call["cu_seqlens_cpu"]), Pieces) == (name == "cut") and plan.decode
     alone = {name: run(make_plan(**call), **{n: call.get(n) for n in RUN_TENSORS}) for name, call in calls.items()}
     for name in (first, *(n for n in calls if n != first)):
         o, s = kda_forward(**calls[name])
