@@ -24,6 +24,7 @@ error against float64 stays below FLA's own in fp32: tests/test_forward.py). For
 takes V' as hi + lo, which pays for stage 2's bf16 products (kda_opt/intra): o's error against
 float64, emulated, is 3.3e-3 with them and one rounded V', 2.9e-3 with the split, as with tf32.
 """
+import collections
 import functools
 
 import cuda.tile as ct
@@ -487,28 +488,39 @@ def _kernel(worker_warps: int):
     return wuso_kernel if worker_warps == WORKER_WARPS else wuso_kernel.replace_hints(num_worker_warps=worker_warps)
 
 
+# wuso_kernel's parameters in order (tests/test_wuso.py holds them to the kernel's): one launch's
+# arguments as a record, which launch_config makes by name and the launcher edits by name.
+Arguments = collections.namedtuple("Arguments", (
+    "Q Kx Vx G TM AQK RB RSTD S0 O SF CU SLOTS MASK CK CK_ROW0 CK_FIRST ORDER scale K BV C HAS_S0 STORE_SF SPLIT_V "
+    "PACKED L2NORM V_FIRST BETA_RESIDUAL READ_SLOTS WRITE_SLOTS HAS_MASK STORE_CK CK_EVERY TRANSITION PHASED ORDERED "
+    "SHORT"))
+
+
 def launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, final_state, cu_seqlens=None,
                   qk_rstd=None, state_v_first=False, beta_residual=None, slots=None, read_slots=False,
                   write_slots=False, has_initial_state=None, checkpoints=None, checkpoint_rows=None,
                   checkpoint_every=1, transition=False, sequences=EVERY_SEQUENCE, checkpoint_first=None,
                   order=None):
-    """(grid, kernel arguments) of one launch: the one place both the launcher and the export test
+    """(grid, Arguments) of one launch: the one place both the launcher and the export test
     (tests/test_wuso.py, on meta tensors) take the kernel's specialisation from. sequences: which
     packed sequences, or what of them, the launch computes (EVERY_SEQUENCE, LONG_ONLY, SHORT_ONLY,
     HEADS). checkpoint_first: as wuso's (PHASED). order: as wuso's, or None (grid order)."""
     B, _, HV, V = v.shape
     given = lambda x, ndim, dtype=torch.float32: _stand_in(v.device, ndim, dtype) if x is None else x
-    args = (q, k, v, gcum, Tm, Aqk, given(beta_residual, 3), given(qk_rstd, 4), given(initial_state, 4), o,
-            given(final_state, 4), given(cu_seqlens, 1, torch.int32), given(slots, 1, torch.int32),
-            given(has_initial_state, 1, torch.bool), given(checkpoints, 5), given(checkpoint_rows, 1, torch.int32),
-            given(checkpoint_first, 1, torch.int32), given(order, 1, torch.int32), float(scale),
-            q.shape[-1], block_v, CHUNK, initial_state is not None, final_state is not None,
-            q.dtype == torch.bfloat16, cu_seqlens is not None, qk_rstd is not None, state_v_first,
-            beta_residual is not None, read_slots, write_slots, has_initial_state is not None, checkpoints is not None,
-            checkpoint_every, transition, checkpoint_first is not None, order is not None, sequences)
+    args = Arguments(
+        Q=q, Kx=k, Vx=v, G=gcum, TM=Tm, AQK=Aqk, RB=given(beta_residual, 3), RSTD=given(qk_rstd, 4),
+        S0=given(initial_state, 4), O=o, SF=given(final_state, 4), CU=given(cu_seqlens, 1, torch.int32),
+        SLOTS=given(slots, 1, torch.int32), MASK=given(has_initial_state, 1, torch.bool), CK=given(checkpoints, 5),
+        CK_ROW0=given(checkpoint_rows, 1, torch.int32), CK_FIRST=given(checkpoint_first, 1, torch.int32),
+        ORDER=given(order, 1, torch.int32), scale=float(scale), K=q.shape[-1], BV=block_v, C=CHUNK,
+        HAS_S0=initial_state is not None, STORE_SF=final_state is not None, SPLIT_V=q.dtype == torch.bfloat16,
+        PACKED=cu_seqlens is not None, L2NORM=qk_rstd is not None, V_FIRST=state_v_first,
+        BETA_RESIDUAL=beta_residual is not None, READ_SLOTS=read_slots, WRITE_SLOTS=write_slots,
+        HAS_MASK=has_initial_state is not None, STORE_CK=checkpoints is not None, CK_EVERY=checkpoint_every,
+        TRANSITION=transition, PHASED=checkpoint_first is not None, ORDERED=order is not None, SHORT=sequences)
     columns = q.shape[-1] if transition else V                # the transition's state is [K, K]
     if B == 1 and max(x.stride(0) for x in (q, k, v, gcum, o, checkpoints) if x is not None) > INT32_MAX:
-        args = tuple(map(_int32_strides, args))     # the largest arrays' batch strides: the others' are smaller
+        args = args._make(map(_int32_strides, args))   # the largest arrays' batch strides: the others' are smaller
     return (columns // block_v, num_sequences(B, cu_seqlens) * HV, 1), args
 
 
@@ -582,15 +594,16 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
                                    beta_residual, slots, read_slots, write_slots, has_initial_state, rows,
                                    checkpoint_rows, checkpoint_every, transition, order=order)
         launches = ((grid, args),)
-        if short_sequences and cu_seqlens is not None:    # args end with ORDERED, SHORT
+        if short_sequences and cu_seqlens is not None:
             short = SEVERAL_ONLY if decoded else SHORT_ONLY
             long_grid, long_count, short_count = grid, 1, 1
             if sequence_counts is not None:
                 long_count, short_count = sequence_counts.long, sequence_counts.short
                 if order is not None:
                     long_grid = (grid[0], long_count * v.shape[2], 1)
-            launches = tuple((g, a) for g, a, count in ((long_grid, args[:-1] + (LONG_ONLY,), long_count),
-                                                        (grid, args[:-2] + (False, short), short_count)) if count)
+            launches = tuple((g, a) for g, a, count in ((long_grid, args._replace(SHORT=LONG_ONLY), long_count),
+                                                        (grid, args._replace(ORDERED=False, SHORT=short), short_count))
+                             if count)
     for grid, args in launches:
         cutile_launch(grid, _kernel(worker_warps), args)
     _copy_back(final_state, pool, 0)

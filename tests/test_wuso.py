@@ -1,5 +1,6 @@
 """Stage 4, the cuTile W/U/S/O kernel: compiled to sm_90 cubins without a GPU (tier c), and on the
 GPU against the float64 state pass fed the same Γ, Tm and Aqk (tier d)."""
+import inspect
 import io
 import math
 import os
@@ -13,8 +14,8 @@ import torch
 import cuda.tile as ct
 from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint, export_kernel
 from kda_opt import reference as ref
-from kda_opt.wuso import (EVERY_SEQUENCE, HEADS, LONG_ONLY, SEVERAL_ONLY, SHORT_ONLY, block_v_for, launch_config,
-                          wuso, wuso_kernel)
+from kda_opt.wuso import (EVERY_SEQUENCE, HEADS, LONG_ONLY, SEVERAL_ONLY, SHORT_ONLY, Arguments, block_v_for,
+                          launch_config, wuso, wuso_kernel)
 from tests.conftest import gpu, rel_err
 from tests.stage_inputs import qk_rstd, stage_inputs
 
@@ -273,6 +274,12 @@ def test_packed_sequences_write_no_descriptor(call):
     assert resources(binary)[0] <= 168, resources(binary)
 
 
+def test_launch_arguments_are_the_kernels_parameters():
+    """The launch record's fields are wuso_kernel's parameters, by name and in order (a launch hands
+    the record to cuTile as the tuple it is)."""
+    assert Arguments._fields == tuple(inspect.signature(wuso_kernel._pyfunc).parameters)
+
+
 def test_block_v_fills_one_wave():
     assert block_v_for(96, 128, H100_SMS, torch.bfloat16) == 128    # 96 programs
     assert block_v_for(48, 128, H100_SMS, torch.bfloat16) == 64     # 96 programs, not 48
@@ -296,7 +303,7 @@ def test_long_single_entry_fits_int32_strides():
     _, args = launch_config(*tensors, K ** -0.5, 64, None, o, None, checkpoints=checkpoints)
     given = [*tensors, o, checkpoints]
     assert max(x.stride(0) for x in given) >= 2 ** 32
-    for x, taken in zip(given, (args[i] for i in (0, 1, 2, 3, 4, 5, 9, 14))):  # their places in the kernel's
+    for x, taken in zip(given, (args.Q, args.Kx, args.Vx, args.G, args.TM, args.AQK, args.O, args.CK)):
         assert taken.shape == x.shape and taken.stride()[1:] == x.stride()[1:] and max(taken.stride()) < 2 ** 31
 
 
