@@ -157,11 +157,15 @@ def decode(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial
     return o
 
 
-def kda_decode(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
-               output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
-               use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None, state_v_first=False,
-               cu_seqlens=None, *, inplace_final_state=False, ssm_state_indices=None, num_accepted_tokens=None,
-               out=None, pad_slot=None):
+def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None, scale: float | None = None,
+               initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+               use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
+               use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False,
+               lower_bound: float | None = None, state_v_first: bool = False, cu_seqlens: torch.Tensor | None = None,
+               *, inplace_final_state: bool = False, ssm_state_indices: torch.Tensor | None = None,
+               num_accepted_tokens: torch.Tensor | None = None, out: torch.Tensor | None = None,
+               pad_slot: int | None = None):
     r"""Decode steps and speculative verify; the same function and arguments as FLA 0.6.0's
     ``fused_recurrent_kda``, with the serving arguments of its ``fused_recurrent_kda_fwd``.
 
@@ -214,16 +218,13 @@ def kda_decode(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_s
     may be captured in a CUDA graph. Under torch.compile it is one custom op (kda_opt/op:
     ``torch.ops.kda_opt.decode``, or ``decode_in_place`` where it writes the pool or ``out``).
     """
+    arguments = dict(locals())      # every argument by name, in the order of this signature: their one list
     if torch.compiler.is_compiling():
         writes = inplace_final_state or out is not None
         op = torch.ops.kda_opt.decode_in_place if writes else torch.ops.kda_opt.decode
-        o, final = op(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
-                      use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-                      lower_bound, state_v_first, cu_seqlens, inplace_final_state, ssm_state_indices,
-                      num_accepted_tokens, out, pad_slot)
+        o, final = op(**arguments)
         return (o if out is None else out,
                 final if output_final_state else initial_state if inplace_final_state else None)
-    arguments = dict(locals())
     return call(decode_plan_for(arguments), arguments)
 
 

@@ -200,13 +200,11 @@ def _backend_class():
                 B, T = q.shape[:2]
                 rows = B * -(-T // CHUNK) if cu_seqlens_cpu is None else sequence_counts(cu_seqlens_cpu, False).chunks
                 h, passed["checkpoints"] = intermediate_states(v, q.shape[-1], rows, state_v_first, k.dtype)
+            # chunk_kda's arguments that kda_forward takes, by their (shared) names, and those passed on.
+            given = locals()
+            named = {n: x for n, x in given.items() if n in forward.PARAMETERS}
             # Looked up through the module at each call, so that tests can stand in for kda_forward.
-            o, final = forward.kda_forward(
-                q, k, v, g, beta, scale, initial_state, output_final_state,
-                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-                A_log=A_log, dt_bias=dt_bias, safe_gate=safe_gate, lower_bound=lower_bound,
-                state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, **passed)
+            o, final = forward.kda_forward(**named, **passed)
             if not return_intermediate_states:
                 return o, final
             first_rows(h, initial_state, kwargs.get("has_initial_state"), cu_seqlens)

@@ -21,7 +21,9 @@ and kda_opt/schedules runs the segments.
 """
 import contextlib
 import functools
+import inspect
 import math
+import operator
 
 import nvtx
 import torch
@@ -201,33 +203,31 @@ def kda_forward(
     this function when the compiled graph runs: the same numbers; the ``*_cpu`` host copies are not
     read there.
     """
+    arguments = dict(locals())      # every argument by name, in the order of this signature: their one list
     if torch.compiler.is_compiling():
         writes = initial_state_indices is not None or checkpoints is not None
         op = torch.ops.kda_opt.forward_in_place if writes else torch.ops.kda_opt.forward
-        o, final = op(
-            q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-            use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias, safe_gate,
-            lower_bound, state_v_first, cu_seqlens, chunk_size, transpose_state_layout, initial_state_indices,
-            pad_slot, has_initial_state, checkpoints, checkpoint_every, checkpoint_offsets)
+        for name in HOST_COPIES:        # (the op validates the call when it runs)
+            del arguments[name]
+        o, final = op(**arguments)
         return o, final if output_final_state else None
-    entry = plan_for(dict(
-        q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval, A_log=A_log,
-        dt_bias=dt_bias, safe_gate=safe_gate, lower_bound=lower_bound, state_v_first=state_v_first,
-        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_size=chunk_size,
-        transpose_state_layout=transpose_state_layout, initial_state_indices=initial_state_indices,
-        initial_state_indices_cpu=initial_state_indices_cpu, pad_slot=pad_slot, has_initial_state=has_initial_state,
-        checkpoints=checkpoints, checkpoint_every=checkpoint_every, checkpoint_offsets=checkpoint_offsets))
-    inputs = (q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, initial_state_indices, has_initial_state,
-              checkpoints, checkpoint_offsets)
-    return bound.call(entry, inputs, lambda: run(entry.plan, *inputs, cu_seqlens_cpu, kernels=entry.kernels),
-                      entry.plan.unbindable)
+    entry = plan_for(arguments)
+    # (No closure or comprehension over `arguments` in this function: a cell variable that locals()
+    # meets above stops torch.compile's tracing.)
+    return bound.call(entry, _INPUTS(arguments), functools.partial(_run, entry, arguments), entry.plan.unbindable)
 
 
-# run's tensor arguments, by kda_forward's names: run(plan, **{n: arguments.get(n) for n in RUN_TENSORS}).
-RUN_TENSORS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens",
-               "initial_state_indices", "has_initial_state", "checkpoints", "checkpoint_offsets", "cu_seqlens_cpu")
+def _run(entry, arguments: dict):
+    """run() of a call's plan entry on its arguments (kda_forward's, by name)."""
+    return run(entry.plan, **{n: arguments[n] for n in RUN_TENSORS}, kernels=entry.kernels)
+
+
+# The host copies, which the custom op does not take (kda_opt/op): it validates the call when it runs.
+HOST_COPIES = ("cu_seqlens_cpu", "initial_state_indices_cpu")
+PARAMETERS = inspect.signature(kda_forward).parameters   # by name, in order
+# The call's tensors but the host copies, in kda_forward's order: the inputs a bound call replays on.
+_INPUTS = operator.itemgetter(*(n for n, p in PARAMETERS.items() if "Tensor" in str(p.annotation)
+                                and n not in HOST_COPIES))
 
 
 def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=None, cu_seqlens=None,
@@ -289,6 +289,10 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
                     launch("decode", decode, plan.decode, q, k, v, g, beta, A_log, dt_bias, initial_state,
                            final, cu_seqlens, initial_state_indices, None, o, has_initial_state, kernels=kernels)
         return o, None if plan.state_pool else final
+
+
+# run's tensor arguments, by kda_forward's names: run(plan, **{n: arguments.get(n) for n in RUN_TENSORS}).
+RUN_TENSORS = tuple(n for n in inspect.signature(run).parameters if n in PARAMETERS)
 
 
 def _as_read(plan: Plan, q, k, v, g, beta, initial_state, A_log, dt_bias):

@@ -15,48 +15,49 @@ validated when it runs, and no host copy is read. An op returns no tensor that a
 kda_decode writes `out` or the pool, the op returns an empty tensor in its place and kda_decode
 returns the input itself.
 """
+import inspect
+
 import torch
 
 from .decode import kda_decode
-from .forward import kda_forward
+from .forward import HOST_COPIES, kda_forward
 from .options import state_shape
 from .seqs import num_sequences
 
 
-def _forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    scale: float | None, initial_state: torch.Tensor | None, output_final_state: bool,
-    use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool,
-    allow_neg_eigval: bool, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, safe_gate: bool,
-    lower_bound: float | None, state_v_first: bool, cu_seqlens: torch.Tensor | None, chunk_size: int,
-    transpose_state_layout: bool | None, initial_state_indices: torch.Tensor | None, pad_slot: int | None,
-    has_initial_state: torch.Tensor | None, checkpoints: torch.Tensor | None, checkpoint_every: int,
-    checkpoint_offsets: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    o, final = kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state,
-                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-                           use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-                           A_log=A_log, dt_bias=dt_bias, safe_gate=safe_gate, lower_bound=lower_bound,
-                           state_v_first=state_v_first, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-                           transpose_state_layout=transpose_state_layout, initial_state_indices=initial_state_indices,
-                           pad_slot=pad_slot, has_initial_state=has_initial_state, checkpoints=checkpoints,
-                           checkpoint_every=checkpoint_every, checkpoint_offsets=checkpoint_offsets)
+def _op_signature(fn, drop=()) -> inspect.Signature:
+    """fn's signature as a custom op's (its schema is inferred from it): fn's parameters, annotations
+    and defaults in its order but those named in `drop`, none keyword-only (a custom op takes no
+    keyword-only tensor; it is called by keyword all the same), returning two tensors. The one list of
+    the op's arguments is thus fn's own."""
+    signature = inspect.signature(fn)
+    return signature.replace(parameters=[p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                                         for n, p in signature.parameters.items() if n not in drop],
+                             return_annotation=tuple[torch.Tensor, torch.Tensor])
+
+
+FORWARD = _op_signature(kda_forward, HOST_COPIES)
+DECODE = _op_signature(kda_decode)
+
+
+def _forward(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    o, final = kda_forward(**FORWARD.bind(*args, **kwargs).arguments)
     # An op returns tensors only, and none that aliases an input: no final state is an empty one.
-    return o, v.new_empty(0, dtype=torch.float32) if final is None else final
+    return o, o.new_empty(0, dtype=torch.float32) if final is None else final
 
 
-def _fake(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-          use_beta_sigmoid_in_kernel, allow_neg_eigval, A_log, dt_bias, safe_gate, lower_bound, state_v_first,
-          cu_seqlens, chunk_size, transpose_state_layout, initial_state_indices, pad_slot, has_initial_state,
-          checkpoints, checkpoint_every, checkpoint_offsets):
+def _fake(*args, **kwargs):
+    a = FORWARD.bind(*args, **kwargs)
+    a.apply_defaults()
+    q, v, cu_seqlens = (a.arguments[n] for n in ("q", "v", "cu_seqlens"))
     B, _, HV, V = v.shape
-    K = q.shape[-1]
-    N = num_sequences(B, cu_seqlens)
-    v_first = state_v_first or bool(transpose_state_layout)
-    shape = state_shape(N, HV, K, V, v_first) if output_final_state else (0,)
+    v_first = a.arguments["state_v_first"] or bool(a.arguments["transpose_state_layout"])
+    shape = state_shape(num_sequences(B, cu_seqlens), HV, q.shape[-1], V, v_first) \
+        if a.arguments["output_final_state"] else (0,)
     return v.new_empty(v.shape), v.new_empty(shape, dtype=torch.float32)
 
 
+_forward.__signature__ = _fake.__signature__ = FORWARD
 forward_op = torch.library.custom_op("kda_opt::forward", _forward, mutates_args=())
 forward_in_place_op = torch.library.custom_op("kda_opt::forward_in_place", _forward,
                                               mutates_args=("initial_state", "checkpoints"))
@@ -64,32 +65,24 @@ forward_op.register_fake(_fake)
 forward_in_place_op.register_fake(_fake)
 
 
-def _decode(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, scale: float | None,
-    initial_state: torch.Tensor | None, output_final_state: bool, use_qk_l2norm_in_kernel: bool,
-    use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool,
-    lower_bound: float | None, state_v_first: bool, cu_seqlens: torch.Tensor | None, inplace_final_state: bool,
-    ssm_state_indices: torch.Tensor | None, num_accepted_tokens: torch.Tensor | None, out: torch.Tensor | None,
-    pad_slot: int | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    o, final = kda_decode(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
-                          use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-                          lower_bound, state_v_first, cu_seqlens, inplace_final_state=inplace_final_state,
-                          ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens, out=out,
-                          pad_slot=pad_slot)
-    return (v.new_empty(0) if out is not None else o,
-            final if output_final_state else v.new_empty(0, dtype=torch.float32))
+def _decode(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    a = DECODE.bind(*args, **kwargs).arguments
+    o, final = kda_decode(**a)
+    return (o.new_empty(0) if a.get("out") is not None else o,
+            final if a.get("output_final_state") else o.new_empty(0, dtype=torch.float32))
 
 
-def _decode_fake(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                 use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first,
-                 cu_seqlens, inplace_final_state, ssm_state_indices, num_accepted_tokens, out, pad_slot):
+def _decode_fake(*args, **kwargs):
+    a = DECODE.bind(*args, **kwargs)
+    a.apply_defaults()
+    q, v, out = (a.arguments[n] for n in ("q", "v", "out"))
     B, _, HV, V = v.shape
-    shape = state_shape(num_sequences(B, cu_seqlens), HV, q.shape[-1], V, state_v_first) if output_final_state else (0,)
+    shape = state_shape(num_sequences(B, a.arguments["cu_seqlens"]), HV, q.shape[-1], V, a.arguments["state_v_first"]) \
+        if a.arguments["output_final_state"] else (0,)
     return v.new_empty(v.shape if out is None else (0,)), v.new_empty(shape, dtype=torch.float32)
 
 
+_decode.__signature__ = _decode_fake.__signature__ = DECODE
 decode_op = torch.library.custom_op("kda_opt::decode", _decode, mutates_args=())
 decode_in_place_op = torch.library.custom_op("kda_opt::decode_in_place", _decode,
                                              mutates_args=("initial_state", "out"))

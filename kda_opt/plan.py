@@ -224,16 +224,9 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 # Signatures planned (plan_for), oldest first; the oldest is dropped past PLAN_CACHE_SIZE.
 PLAN_CACHE_SIZE = 256
 _plans: dict[tuple, "Entry"] = {}
-# kda_forward's tensor arguments: in a signature by their metadata. Every other argument is an option,
-# in a signature by its value (bool, int, float or None; any other type is planned on every call).
-TENSOR_ARGUMENTS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens", "cu_seqlens_cpu",
-                    "initial_state_indices", "initial_state_indices_cpu", "has_initial_state", "checkpoints",
-                    "checkpoint_offsets")
-OPTION_ARGUMENTS = ("scale", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
-                    "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "safe_gate", "lower_bound", "state_v_first",
-                    "chunk_size", "checkpoint_every", "pad_slot")
+# A signature holds a tensor argument by its metadata, any other by its value: bool, int, float or
+# None (an argument of another type is planned on every call).
 _OPTION_TYPES = frozenset((bool, int, float, type(None)))
-_TENSORS_OF, _OPTIONS_OF = operator.itemgetter(*TENSOR_ARGUMENTS), operator.itemgetter(*OPTION_ARGUMENTS)
 
 
 class Entry:
@@ -271,23 +264,19 @@ def _cached(key: tuple | None, make) -> tuple[Entry, bool]:
     return entry, True
 
 
-def _signature(arguments: dict, tensors=_TENSORS_OF, options=_OPTIONS_OF) -> tuple | None:
+def _signature(arguments: dict) -> tuple | None:
     """What make_plan's checks and choices read from a call, but the host copies' values: a hashable
     key, or None where an argument is of a type no signature holds (it is then planned every call,
     and the checks say what is wrong with it) or the call asks for a warning (transpose_state_layout).
-    arguments: kda_forward's, every one by name (or kda_decode's); tensors, options: the getters of
-    their tensor and option arguments (operator.itemgetter, which reads them all at once)."""
+    arguments: kda_forward's (or kda_decode's), every one by name, in its signature's order (the
+    function's locals()): each a tensor's metadata or an option's value, in that order."""
     if arguments.get("transpose_state_layout") is not None:
         return None
-    values = options(arguments)
-    for x in values:
-        if type(x) not in _OPTION_TYPES:
-            return None
     grad = torch.is_grad_enabled()
-    key = [grad, values]
-    for x in tensors(arguments):
-        if x is None:
-            key.append(None)
+    key = [grad]
+    for x in arguments.values():
+        if type(x) in _OPTION_TYPES:
+            key.append(x)
         elif isinstance(x, torch.Tensor):
             # requires_grad only where grad mode is on, the one mode whose checks read it.
             key.append((x.shape, x.stride(), x.dtype, x.device, grad and x.requires_grad, x.data_ptr() % ALIGNMENT_FIXED))
@@ -690,14 +679,6 @@ class DecodePlan(Sizes):
     num_warps: int
 
 
-DECODE_TENSORS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens",
-                  "ssm_state_indices", "num_accepted_tokens", "out")
-DECODE_OPTIONS = ("scale", "output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
-                  "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "lower_bound", "state_v_first",
-                  "inplace_final_state", "pad_slot")
-_DECODE_TENSORS_OF, _DECODE_OPTIONS_OF = operator.itemgetter(*DECODE_TENSORS), operator.itemgetter(*DECODE_OPTIONS)
-
-
 def make_decode_plan(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
                      output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                      use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
@@ -783,7 +764,7 @@ DECODE_PROGRAMS = 32
 
 def decode_plan_for(arguments: dict) -> Entry:
     """make_decode_plan(**arguments) made once per call signature (as plan_for), in its Entry."""
-    key = _signature(arguments, _DECODE_TENSORS_OF, _DECODE_OPTIONS_OF)
+    key = _signature(arguments)
     return _cached(None if key is None else ("decode", *key), lambda: make_decode_plan(**arguments))[0]
 
 
@@ -791,7 +772,7 @@ def decode_checks(arguments: dict) -> None:
     """make_decode_plan's checks of kda_decode's arguments (every one by name), made once per call
     signature (as plan_for; the launch choices are not needed, nor the device checks, which the call's
     own plan makes): raises as they do."""
-    key = _signature(arguments, _DECODE_TENSORS_OF, _DECODE_OPTIONS_OF)
+    key = _signature(arguments)
     _cached(None if key is None else ("checked", *key), lambda: make_decode_plan(**arguments, sms=1))
 
 

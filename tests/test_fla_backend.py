@@ -160,9 +160,9 @@ def test_chunk_kda_reaches_kda_forward(registry, on_hopper, recorder):
     assert chunk_kda(**call, cu_seqlens=lens, cu_seqlens_cpu=lens, safe_gate=True, lower_bound=-5.0,
                      chunk_size=64) == ("o", "final_state")
     (args, kwargs), = recorder
-    positional = ("q", "k", "v", "g", "beta")
-    assert all(a is call[n] for a, n in zip(args, positional)) and len(args) == 8
-    assert args[5:] == (None, call["initial_state"], True)          # scale, initial_state, output_final_state
+    assert args == ()                                                # every argument by name
+    assert all(kwargs[n] is call[n] for n in ("q", "k", "v", "g", "beta", "initial_state"))
+    assert kwargs["scale"] is None and kwargs["output_final_state"] is True
     assert kwargs["A_log"] is call["A_log"] and kwargs["dt_bias"] is call["dt_bias"]
     assert kwargs["cu_seqlens"] is lens and kwargs["cu_seqlens_cpu"] is lens
     assert {n: kwargs[n] for n in ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
@@ -178,8 +178,8 @@ def test_chunk_kda_positional_call_and_passed_keywords(registry, on_hopper, reco
     chunk_kda(c["q"], c["k"], c["v"], c["g"], c["beta"], 0.5, c["initial_state"], False, False, False,
               transpose_state_layout=True, initial_state_indices=indices, has_initial_state=mask)
     (args, kwargs), = recorder
-    assert args[5:] == (0.5, c["initial_state"], False)
-    assert kwargs["transpose_state_layout"] is True
+    assert args == () and kwargs["scale"] == 0.5 and kwargs["initial_state"] is c["initial_state"]
+    assert kwargs["output_final_state"] is False and kwargs["transpose_state_layout"] is True
     assert kwargs["initial_state_indices"] is indices and kwargs["has_initial_state"] is mask
 
 
@@ -434,7 +434,7 @@ def test_layer_chunk_runs_kda_forward_past_dispatch(layer, on_hopper, recorder):
     call = kimi_call(device="cpu")
     assert module.chunk_kda(**call, safe_gate=True, lower_bound=-5.0) == ("o", "final_state")
     (args, kwargs), = recorder
-    assert not own and args[0] is call["q"] and kwargs["A_log"] is call["A_log"] and kwargs["safe_gate"] is True
+    assert not own and kwargs["q"] is call["q"] and kwargs["A_log"] is call["A_log"] and kwargs["safe_gate"] is True
 
 
 def test_layer_chunk_left_to_fla(layer, on_hopper, recorder, monkeypatch):

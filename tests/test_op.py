@@ -41,6 +41,44 @@ def test_fake_shapes(packed, state):
     assert final.shape == expected and final.dtype == torch.float32
 
 
+def traced_op_calls(fn, *args):
+    """The kda_opt ops the graph of fn(*args) compiled whole (fullgraph) calls, each as (op, its
+    arguments by name): traced only (CPU tensors; the fake implementations give the shapes), never run."""
+    graphs = []
+
+    class Traced(Exception):
+        pass
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+
+        def run(*_):
+            raise Traced
+        return run
+    with pytest.raises(Traced):
+        torch.compile(fn, fullgraph=True, backend=backend)(*args)
+    (gm,) = graphs
+    return [(str(n.target), dict(n.kwargs)) for n in gm.graph.nodes
+            if n.op == "call_function" and "kda_opt" in str(n.target)]
+
+
+def test_compiled_calls_are_one_op_by_keyword():
+    """Under torch.compile kda_forward and kda_decode are one op call each, every argument passed by
+    name (but kda_forward's host copies): no argument list is kept in order by hand."""
+    q, k, v, g = (torch.randn(1, 64, 2, 64) for _ in range(4))
+    beta, h0 = torch.rand(1, 64, 2), torch.zeros(1, 2, 64, 64)
+    forward_calls = traced_op_calls(
+        lambda q, h0: kda_forward(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                  use_qk_l2norm_in_kernel=True, cu_seqlens_cpu=None), q, h0)
+    (op, named), = forward_calls
+    assert op == "kda_opt.forward" and set(named) == set(DEFAULTS) | {"q", "k", "v", "g", "beta"}
+    assert named["use_qk_l2norm_in_kernel"] is True and named["output_final_state"] is True
+    (op, named), = traced_op_calls(lambda q: kda_opt.kda_decode(q, k, v, g, beta, use_gate_in_kernel=False,
+                                                                state_v_first=True), q)
+    assert op == "kda_opt.decode" and set(named) == set(DECODE_DEFAULTS) | {"q", "k", "v", "g", "beta"}
+    assert named["state_v_first"] is True
+
+
 CALLS = {
     "default": dict(initial_state=True),
     "softplus packed": dict(gate="softplus", initial_state=True, seqlens=[1, 63, 300, 0, 136]),
