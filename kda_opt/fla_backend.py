@@ -19,7 +19,8 @@ import torch
 
 from . import decode, forward, plan
 from .options import CHUNK
-from .plan import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, batch_entry_extent, decode_checks
+from .checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, batch_entry_extent
+from .plan import decode_checks
 from .seqs import sequence_counts
 from .wuso import INT32_MAX
 

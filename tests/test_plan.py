@@ -308,7 +308,7 @@ HOST_COPY_ERRORS = {
 def test_pad_slot_may_be_named_many_times():
     """initial_state_indices_cpu may name the declared pad slot any number of times (vLLM pads with
     slot 0): it is neither read nor written."""
-    from kda_opt.plan import check_host_copies
+    from kda_opt.checks import check_host_copies
     check_host_copies(8, None, torch.tensor([0, 2, 0, 0, 1]), POOL, None, pad_slot=0)
     with pytest.raises(ValueError, match="twice"):
         check_host_copies(8, None, torch.tensor([0, 2, 0, 0, 1]), POOL, None)

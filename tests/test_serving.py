@@ -592,17 +592,17 @@ def fused_views(args):
 def test_rows_readable_takes_views_and_copies_the_rest():
     """Views of a fused projection are read through their strides; a transposed or misaligned
     tensor, or a batch whose entries are not evenly spaced, is copied (the plan's `copied`)."""
-    from kda_opt.plan import _rows_readable
+    from kda_opt.checks import rows_readable
     args = random_inputs(2, 16, 2, 64, device="cpu", dtype=torch.float32)
     views, _ = fused_views(args)
     for n, x in views.items():
-        assert _rows_readable(x) and not x.is_contiguous(), n
+        assert rows_readable(x) and not x.is_contiguous(), n
     q = args["q"]
-    assert not _rows_readable(q.transpose(2, 3).contiguous().transpose(2, 3))
+    assert not rows_readable(q.transpose(2, 3).contiguous().transpose(2, 3))
     odd = torch.randn(2, 16, 2 * 64 + 1)[..., 1:].unflatten(-1, (2, 64))      # rows 4 bytes off 16
-    assert not _rows_readable(odd)
+    assert not rows_readable(odd)
     uneven = torch.randn(2, 20, 2, 64)[:, :16]                                 # batch stride ≠ T · token stride
-    assert not _rows_readable(uneven)
+    assert not rows_readable(uneven)
 
 
 @gpu
