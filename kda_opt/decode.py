@@ -46,8 +46,9 @@ def decode_kernel(
     # READ (kda_opt/options.Read): zeros, dense row n, or pool row indices[n, accepted[n] − 1] (column
     # 0 without accepted); with HAS_MASK zeros where has_state[n] is false. WRITE (options.Write):
     # nothing, dense row n after the last token, pool row indices[n] after it, or pool row
-    # indices[n, t] after each token t (speculative verify). SINGLE: only the sequences of one token (kda_forward's, where a packed call
-    # leaves them to this kernel); a program of any other reads, computes and writes nothing.
+    # indices[n, t] after each token t (speculative verify). SINGLE: only the sequences of one token
+    # (kda_forward's, where a packed call leaves them to this kernel); a program of any other reads,
+    # computes and writes nothing.
     i_nh, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)

@@ -24,7 +24,7 @@ import torch
 from triton import knobs
 
 from . import fastpath
-from .fastpath import ALIGNMENT_FIXED, current_stream  # noqa: F401  (ALIGNMENT_FIXED: kda_opt/plan's)
+from .fastpath import current_stream
 
 Kernels = dict  # JITFunction → its compiled kernel, for one plan
 

@@ -36,10 +36,11 @@ from typing import NamedTuple
 
 import torch
 
-from .intra import warps_for
-from .launch import ALIGNMENT_FIXED, Kernels
 from .checks import (check_host_copies, check_pad_slot, checked_scale, rows_readable, validate,
                      validate_batch_extent, validate_decode_serving, validate_devices, validate_serving)
+from .fastpath import ALIGNMENT_FIXED
+from .intra import warps_for
+from .launch import Kernels
 from .options import CHUNK, GateConfig, Read, Write
 from .seqs import RANK_MAX, Counts, sequence_counts
 from .wuso import WORKER_WARPS, block_v_for
@@ -150,21 +151,21 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     scale = None if scale is None else checked_scale(scale)
     pool = initial_state_indices is not None or initial_state_indices_cpu is not None
     N = validate(q, k, v, g, beta, None if pool else initial_state, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
-                  dt_bias=dt_bias, safe_gate=safe_gate, lower_bound=lower_bound,
-                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-                  state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                  chunk_size=chunk_size)
+                 dt_bias=dt_bias, safe_gate=safe_gate, lower_bound=lower_bound,
+                 use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                 state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                 chunk_size=chunk_size)
     validate_serving(q, v, N, initial_state, output_final_state, initial_state_indices, initial_state_indices_cpu,
-                      has_initial_state, checkpoints, checkpoint_every, checkpoint_offsets, state_v_first, cu_seqlens)
+                     has_initial_state, checkpoints, checkpoint_every, checkpoint_offsets, state_v_first, cu_seqlens)
     validate_batch_extent(q, k, v, beta, checkpoints)
     check_pad_slot(pad_slot, initial_state_indices)
     check_host_copies(q.shape[1], cu_seqlens_cpu, initial_state_indices_cpu, initial_state, checkpoints,
                       checkpoint_every, pad_slot)
     if sms is None:
         validate_devices(q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias,
-                          cu_seqlens=cu_seqlens, initial_state_indices=initial_state_indices,
-                          has_initial_state=has_initial_state, checkpoints=checkpoints,
-                          checkpoint_offsets=checkpoint_offsets)
+                         cu_seqlens=cu_seqlens, initial_state_indices=initial_state_indices,
+                         has_initial_state=has_initial_state, checkpoints=checkpoints,
+                         checkpoint_offsets=checkpoint_offsets)
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
