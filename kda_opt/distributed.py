@@ -13,7 +13,7 @@ cross ranks.
        transition M_r (kda_opt/forward.Prepared)
     2. all_gather of h and M over the group (fp32: HV·K·(V + K) numbers per rank)
     3. a continued sequence's start, from the rank a where it begins: merge(h_a .. h_{r−1},
-       M_{a+1} .. M_{r−1}) (kda_opt/schedules.merge, fp32), and the pass again from it
+       M_{a+1} .. M_{r−1}) (kda_opt/merge, fp32), and the pass again from it
 A sequence's final state is returned by the rank where it ends. With one sequence, stage 4 runs over
 a slice once on rank 0 and on the last rank, three times on the others, and the last rank's stages
 1–3 run while rank 0 computes h_0, so two ranks take about rank 0's call plus the last rank's stage 4.
@@ -25,7 +25,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import forward, reference, schedules
+from . import forward, reference
+from .merge import merge
 from .options import state_shape
 
 
@@ -118,7 +119,7 @@ def kda_forward_cp(q, k, v, g, beta, scale=None, initial_state=None, output_fina
     hs = [x[:h.numel()].view(h.shape) for x in gathered]
     Ms = [x[h.numel():].view(M.shape) for x in gathered]
     if part.continued:
-        start = schedules.merge(torch.cat(hs[part.origin:rank]), torch.cat(Ms[part.origin:rank])[1:], v_first)[-1:]
+        start = merge(torch.cat(hs[part.origin:rank]), torch.cat(Ms[part.origin:rank])[1:], v_first)[-1:]
         o, ends = here.ends(states(start))
     if not output_final_state:
         return o, None

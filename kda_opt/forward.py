@@ -32,11 +32,13 @@ from . import bound
 from .gate import gate_cumsum
 from .intra import intra_chunk
 from .decode import decode
+from .checks import arguments_of
 from .launch import Kernels, annotated, direct, nvtx_enabled, one_allocation
 from .options import CHUNK
 from .plan import OnePass, ParallelSegments, Pieces, Plan, TimeSegments, Tuning, make_plan, plan_for, schedule_of
-from .schedules import final_states, parallel, parallel_packed, pipelined, units
+from .schedules import final_states, parallel, parallel_packed, pipelined
 from .seqs import block_offsets, longest_first, packed, phased
+from .tables import units
 from .wuso import wuso
 
 
@@ -195,8 +197,8 @@ def kda_forward(
     length; with B > 1 each batch entry within 2^31 elements (T·HV·max(K, V), and the inputs' and
     checkpoints' batch strides; past it a ValueError says to pack them). Bad inputs raise ValueError
     or TypeError naming the argument before any kernel runs. No host-device synchronisation.
-    kda_opt.plan.make_plan(...) takes the same arguments and returns the call's resolved options and
-    launch choices without running it.
+    ``kda_opt.plan.make_plan(kda_opt.checks.arguments_of(kda_forward, ...))`` takes the same arguments
+    and returns the call's resolved options and launch choices without running it.
 
     Under torch.compile it is one custom op, ``torch.ops.kda_opt.forward`` (``forward_in_place``,
     which declares the pool and the checkpoints written, when either is given; kda_opt/op), which runs
@@ -243,7 +245,7 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
     and the stages' launches sized where plan.sized_launches says."""
     ranges = nvtx_enabled()
     launch = launch or (annotated if ranges else direct)
-    schedule = schedule_of(plan, cu_seqlens_cpu, lambda: q.is_cuda and torch.cuda.is_current_stream_capturing())
+    schedule = schedule_of(plan, q.device, cu_seqlens_cpu, lambda: q.is_cuda and torch.cuda.is_current_stream_capturing())
     q, k, v, g, beta, initial_state, A_log, dt_bias = _as_read(plan, q, k, v, g, beta, initial_state, A_log, dt_bias)
     cu_seqlens = cu_seqlens if plan.packed else None        # one sequence over [0, T]: the B = 1 call
     prepare = functools.partial(_stages_1_to_3, plan, launch, kernels, A_log=A_log, dt_bias=dt_bias)
@@ -271,12 +273,12 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
                      read_slots=plan.state_pool, write_slots=plan.state_pool, has_initial_state=has_initial_state)
         inputs = (q, k, v, g, beta)
         match schedule:
-            case ParallelSegments(segments):
-                o = parallel(plan, segments, *inputs, state, checkpoints, prepare, stage4)
-            case Pieces(pieces, block_v):
-                o = parallel_packed(plan, pieces, block_v, *inputs, seqs, state, checkpoints, prepare, stage4)
             case TimeSegments(segments):
                 o = pipelined(plan, segments, *inputs, state, checkpoints, prepare, stage4)
+            case ParallelSegments(_, tables):
+                o = parallel(plan, tables, *inputs, state, checkpoints, prepare, stage4)
+            case Pieces(_, block_v, tables):
+                o = parallel_packed(plan, tables, block_v, *inputs, seqs, state, checkpoints, prepare, stage4)
             case OnePass(counts, routed, ordered):
                 gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, seqs)
                 order = launch("seqs", longest_first, cu_seqlens, plan.T, kernels) if ordered else None
@@ -326,25 +328,25 @@ class Prepared:
     TUNING = Tuning(max_segments=1)
 
     def __init__(self, q, k, v, g, beta, scale=None, **options):
-        plan = make_plan(q, k, v, g, beta, scale, **options, tuning=self.TUNING)
-        if plan.initial_state or plan.state_pool or options.get("checkpoints") is not None:
+        self.call = arguments_of(kda_forward, q, k, v, g, beta, scale, **options)
+        plan = make_plan(self.call, tuning=self.TUNING)
+        if plan.initial_state or plan.state_pool or self.call["checkpoints"] is not None:
             raise ValueError("Prepared takes sequences without a state, pool or checkpoints")
-        self.call = dict(q=q, k=k, v=v, g=g, beta=beta, scale=scale, **options)
-        self.cu_seqlens = options.get("cu_seqlens") if plan.packed else None
-        q, k, v, g, beta, _, A_log, dt_bias = _as_read(plan, q, k, v, g, beta, None, options.get("A_log"),
-                                                       options.get("dt_bias"))
+        self.cu_seqlens = self.call["cu_seqlens"] if plan.packed else None
+        q, k, v, g, beta, _, A_log, dt_bias = _as_read(plan, q, k, v, g, beta, None, self.call["A_log"],
+                                                       self.call["dt_bias"])
         self.inputs = q, k, v, g, beta
         self.made = _stages_1_to_3(plan, annotated if nvtx_enabled() else direct, None, q, k, g, beta,
                                    None if self.cu_seqlens is None else packed(self.cu_seqlens, plan.T),
                                    A_log=A_log, dt_bias=dt_bias)
 
     def ends(self, initial_state=None):
-        plan = make_plan(**self.call, initial_state=initial_state, output_final_state=True, tuning=self.TUNING)
+        plan = make_plan({**self.call, "initial_state": initial_state, "output_final_state": True}, tuning=self.TUNING)
         return run(plan, *self.inputs, initial_state, cu_seqlens=self.cu_seqlens,
-                   cu_seqlens_cpu=self.call.get("cu_seqlens_cpu"), made=self.made)
+                   cu_seqlens_cpu=self.call["cu_seqlens_cpu"], made=self.made)
 
     def transition(self) -> torch.Tensor:
-        plan = make_plan(**self.call, tuning=Tuning(parallel=False, max_segments=1))
+        plan = make_plan(self.call, tuning=Tuning(parallel=False, max_segments=1))
         q, k, v, _, _ = self.inputs
         gcum, Aqk, Tm, r, rstd = self.made
         M = v.new_empty((plan.N, plan.HV, plan.K, plan.K), dtype=torch.float32)

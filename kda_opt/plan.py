@@ -1,7 +1,7 @@
 """The plan of one kda_forward call: the arguments validated once and resolved, with every launch
 decision, into one frozen value that kda_opt/forward runs; each stage takes the parts it needs.
 
-    plan = make_plan(q, k, v, g, beta, ...)    TypeError / ValueError / RuntimeError naming the
+    plan = make_plan(arguments)                TypeError / ValueError / RuntimeError naming the
                                                argument, before any kernel runs (kda_opt/checks)
     what the options mean                      gate, scale, l2norm, beta_sigmoid, beta_residual, ...
     how the stages launch                      block_v, segments, parallel, parallel_cut, short_sequences,
@@ -31,8 +31,10 @@ hold lengths that change from call to call.
 """
 import math
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
+from types import SimpleNamespace
+from typing import Any, NamedTuple
 
 import torch
 
@@ -43,6 +45,7 @@ from .intra import warps_for
 from .launch import Kernels
 from .options import CHUNK, GateConfig, Read, Write
 from .seqs import RANK_MAX, Counts, sequence_counts
+from .tables import PieceTables, SegmentTables, piece_tables, segment_tables
 from .wuso import WORKER_WARPS, block_v_for
 
 
@@ -132,52 +135,51 @@ class Plan(Sizes):
         return None
 
 
-def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, *,
-              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-              allow_neg_eigval=False, A_log=None, dt_bias=None, safe_gate=False, lower_bound=None,
-              state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_size=CHUNK,
-              transpose_state_layout=None, initial_state_indices=None, initial_state_indices_cpu=None, pad_slot=None,
-              has_initial_state=None, checkpoints=None, checkpoint_every=CHUNK, checkpoint_offsets=None,
-              tuning: Tuning = Tuning(), sms: int | None = None) -> Plan:
-    """kda_forward's arguments (its docstring says what each means) checked and resolved into a Plan.
-    sms: the GPU's SM count, for the launch choices; None reads it from q's device, which must then be
-    a CUDA GPU with every tensor on it (the CPU tests pass a count)."""
-    if transpose_state_layout is not None:
+def make_plan(arguments: Mapping[str, Any], tuning: Tuning = Tuning(), sms: int | None = None) -> Plan:
+    """kda_forward's arguments, every one by name (kda_forward's locals(), or
+    kda_opt.checks.arguments_of(kda_forward, ...)), checked and resolved into a Plan; kda_forward's docstring says what
+    each means. sms: the GPU's SM count, for the launch choices; None reads it from q's device, which
+    must then be a CUDA GPU with every tensor on it (the CPU tests pass a count)."""
+    a = SimpleNamespace(**arguments)
+    state_v_first = a.state_v_first
+    if a.transpose_state_layout is not None:
         if state_v_first:
             raise ValueError("pass state_v_first or its deprecated name transpose_state_layout, not both")
         warnings.warn("transpose_state_layout is deprecated; its name is now state_v_first",
                       DeprecationWarning, stacklevel=3)
-        state_v_first = bool(transpose_state_layout)
-    scale = None if scale is None else checked_scale(scale)
-    pool = initial_state_indices is not None or initial_state_indices_cpu is not None
-    N = validate(q, k, v, g, beta, None if pool else initial_state, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
-                 dt_bias=dt_bias, safe_gate=safe_gate, lower_bound=lower_bound,
-                 use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-                 state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                 chunk_size=chunk_size)
-    validate_serving(q, v, N, initial_state, output_final_state, initial_state_indices, initial_state_indices_cpu,
-                     has_initial_state, checkpoints, checkpoint_every, checkpoint_offsets, state_v_first, cu_seqlens)
-    validate_batch_extent(q, k, v, beta, checkpoints)
-    check_pad_slot(pad_slot, initial_state_indices)
-    check_host_copies(q.shape[1], cu_seqlens_cpu, initial_state_indices_cpu, initial_state, checkpoints,
-                      checkpoint_every, pad_slot)
+        state_v_first = bool(a.transpose_state_layout)
+    scale = None if a.scale is None else checked_scale(a.scale)
+    pool = a.initial_state_indices is not None or a.initial_state_indices_cpu is not None
+    q, k, v = a.q, a.k, a.v
+    N = validate(q, k, v, a.g, a.beta, None if pool else a.initial_state, use_gate_in_kernel=a.use_gate_in_kernel,
+                 A_log=a.A_log, dt_bias=a.dt_bias, safe_gate=a.safe_gate, lower_bound=a.lower_bound,
+                 use_beta_sigmoid_in_kernel=a.use_beta_sigmoid_in_kernel, allow_neg_eigval=a.allow_neg_eigval,
+                 state_v_first=state_v_first, cu_seqlens=a.cu_seqlens, cu_seqlens_cpu=a.cu_seqlens_cpu,
+                 chunk_size=a.chunk_size)
+    validate_serving(q, v, N, a.initial_state, a.output_final_state, a.initial_state_indices,
+                     a.initial_state_indices_cpu, a.has_initial_state, a.checkpoints, a.checkpoint_every,
+                     a.checkpoint_offsets, state_v_first, a.cu_seqlens)
+    validate_batch_extent(q, k, v, a.beta, a.checkpoints)
+    check_pad_slot(a.pad_slot, a.initial_state_indices)
+    check_host_copies(q.shape[1], a.cu_seqlens_cpu, a.initial_state_indices_cpu, a.initial_state, a.checkpoints,
+                      a.checkpoint_every, a.pad_slot)
     if sms is None:
-        validate_devices(q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias,
-                         cu_seqlens=cu_seqlens, initial_state_indices=initial_state_indices,
-                         has_initial_state=has_initial_state, checkpoints=checkpoints,
-                         checkpoint_offsets=checkpoint_offsets)
+        validate_devices(q, k=k, v=v, g=a.g, beta=a.beta, initial_state=a.initial_state, A_log=a.A_log,
+                         dt_bias=a.dt_bias, cu_seqlens=a.cu_seqlens, initial_state_indices=a.initial_state_indices,
+                         has_initial_state=a.has_initial_state, checkpoints=a.checkpoints,
+                         checkpoint_offsets=a.checkpoint_offsets)
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    align = checkpoint_every if checkpoints is not None else CHUNK
+    align = a.checkpoint_every if a.checkpoints is not None else CHUNK
     # One packed sequence whose host copy says it spans [0, T] (check_host_copies) is the fixed-length
     # call of B = 1, with its time or parallel segments; without the copy the device values are unseen.
-    packed = cu_seqlens is not None and (N > 1 or cu_seqlens_cpu is None or checkpoint_offsets is not None)
+    packed = a.cu_seqlens is not None and (N > 1 or a.cu_seqlens_cpu is None or a.checkpoint_offsets is not None)
     parallel = parallel_segments(T, N, HV, sms, packed, tuning.parallel_tokens, align)
     if tuning.parallel is False or tuning.parallel is None and not _parallel_pays(T, HV, V):
         parallel = None
     cut = None
-    if packed and cu_seqlens_cpu is not None and checkpoint_offsets is None and (
+    if packed and a.cu_seqlens_cpu is not None and a.checkpoint_offsets is None and (
             tuning.parallel or tuning.parallel is None and _parallel_pays(T, HV, V)):
         cut = ParallelCut(sms, tuning.parallel_tokens, align, 0 if tuning.parallel else CUT_FROM,
                           0 if tuning.parallel else LONGEST_SHARE, tuning.block_v)
@@ -186,23 +188,23 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     segments = parallel or time_segments(T, N, N * HV * (V // block_v), sms, packed, tuning.segment_tokens,
                                          tuning.max_segments, align)
     # (With checkpoint offsets a sequence of one chunk may be cut in two: stage 4's own launches.)
-    short_sequences = packed and tuning.short_sequences and checkpoint_offsets is None
+    short_sequences = packed and tuning.short_sequences and a.checkpoint_offsets is None
     packed_one_pass = packed and len(segments) == 1 and not parallel     # stage 4 once over the sequences
     return Plan(
         B=B, T=T, H=H, K=K, HV=HV, V=V, N=N, dtype=q.dtype,
         scale=K ** -0.5 if scale is None else scale,
-        gate=GateConfig(in_kernel=use_gate_in_kernel, lower_bound=lower_bound, safe_gate=safe_gate),
-        l2norm=use_qk_l2norm_in_kernel,
-        beta_sigmoid=_beta_sigmoid(use_beta_sigmoid_in_kernel, allow_neg_eigval),
+        gate=GateConfig(in_kernel=a.use_gate_in_kernel, lower_bound=a.lower_bound, safe_gate=a.safe_gate),
+        l2norm=a.use_qk_l2norm_in_kernel,
+        beta_sigmoid=_beta_sigmoid(a.use_beta_sigmoid_in_kernel, a.allow_neg_eigval),
         # Tm (k's dtype) holds β on its diagonal: where β is not a number of that dtype, stage 4 adds
         # back what its rounding lost.
-        beta_residual=k.dtype != torch.float32 and (use_beta_sigmoid_in_kernel or beta.dtype != k.dtype),
-        initial_state=initial_state is not None, output_final_state=output_final_state, state_pool=pool,
+        beta_residual=k.dtype != torch.float32 and (a.use_beta_sigmoid_in_kernel or a.beta.dtype != k.dtype),
+        initial_state=a.initial_state is not None, output_final_state=a.output_final_state, state_pool=pool,
         state_v_first=state_v_first, packed=packed,
-        copied=tuple(n for n, x in (("q", q), ("k", k), ("v", v), ("beta", beta)) if not rows_readable(x)),
+        copied=tuple(n for n, x in (("q", q), ("k", k), ("v", v), ("beta", a.beta)) if not rows_readable(x)),
         block_v=block_v,
-        checkpoint_every=checkpoint_every, checkpoint_offsets=checkpoint_offsets is not None,
-        segments=segments, parallel=parallel is not None, parallel_cut=cut, pad_slot=pad_slot,
+        checkpoint_every=a.checkpoint_every, checkpoint_offsets=a.checkpoint_offsets is not None,
+        segments=segments, parallel=parallel is not None, parallel_cut=cut, pad_slot=a.pad_slot,
         short_sequences=short_sequences,
         # Ordered where stage 4 runs in waves: list scheduling longest first (the SMs take programs in
         # grid order) ends its waves together, and a mixed step's prefills start before its decodes'
@@ -211,14 +213,13 @@ def make_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         # Stages 1–2 over the chunks there are, stage 4 without a launch that has no sequence of its
         # kind and its ordered long launch over the long sequences only: a program that would end at
         # once still costs its launch (stage 4's: one CTA per SM at a time).
-        sized_launches=packed_one_pass and short_sequences and tuning.sized_launches and cu_seqlens_cpu is not None,
+        sized_launches=packed_one_pass and short_sequences and tuning.sized_launches and a.cu_seqlens_cpu is not None,
         intra_warps=tuning.intra_warps or warps_for(q.dtype), worker_warps=tuning.worker_warps,
-        decode=_routed_decodes(Sizes(B, T, H, K, HV, V, N), scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                               lower_bound, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, initial_state,
-                               pool, output_final_state, sms)
-        if packed and tuning.route_decodes and tuning.short_sequences and checkpoints is None else None,
+        decode=_routed_decodes(Sizes(B, T, H, K, HV, V, N), scale, a.use_qk_l2norm_in_kernel, a.use_gate_in_kernel,
+                               a.lower_bound, a.use_beta_sigmoid_in_kernel, a.allow_neg_eigval, state_v_first,
+                               a.initial_state, pool, a.output_final_state, sms)
+        if packed and tuning.route_decodes and tuning.short_sequences and a.checkpoints is None else None,
     )
-
 
 # Signatures planned (plan_for), oldest first; the oldest is dropped past PLAN_CACHE_SIZE.
 PLAN_CACHE_SIZE = 256
@@ -239,9 +240,9 @@ class Entry:
 
 
 def plan_for(arguments: dict) -> Entry:
-    """make_plan(**arguments) (kda_forward's arguments by name, the default tuning) made once per call
+    """make_plan(arguments) (kda_forward's arguments by name, the default tuning) made once per call
     signature (module docstring), in its Entry. The host copies' values are checked on every call."""
-    entry, made = _cached(_signature(arguments), lambda: make_plan(**arguments))
+    entry, made = _cached(_signature(arguments), lambda: make_plan(arguments))
     if not made:
         check_host_copies(arguments["q"].shape[1], arguments["cu_seqlens_cpu"],
                           arguments["initial_state_indices_cpu"], arguments["initial_state"], arguments["checkpoints"],
@@ -329,24 +330,28 @@ class TimeSegments(NamedTuple):
 class ParallelSegments(NamedTuple):
     """One sequence in token ranges at once (parallel_segments)."""
     segments: tuple[tuple[int, int], ...]
+    tables: SegmentTables                       # their device tables
 
 
 class Pieces(NamedTuple):
     """Packed sequences, the long ones cut into parallel segments on this call (cut_sequences)."""
     pieces: tuple[tuple[int, int, int], ...]    # (sequence, t0, t1), every sequence's rows in order
     block_v: int                                # stage 4's V block over the pieces
+    tables: PieceTables                         # their device tables
 
 
 Schedule = OnePass | TimeSegments | ParallelSegments | Pieces
 
 
-def schedule_of(plan: "Plan", cu_seqlens_cpu=None, capturing=lambda: False) -> Schedule:
-    """How kda_opt/forward runs a call of `plan`: what the plan fixed, and for packed sequences what
-    their host copy (cu_seqlens_cpu) says on this call: whether the long ones are cut (plan.parallel_cut)
-    and the launches' sizes (plan.sized_launches; not while capturing() says a CUDA graph is being
-    captured, whose replays may see other lengths)."""
+def schedule_of(plan: "Plan", device: torch.device, cu_seqlens_cpu=None, capturing=lambda: False) -> Schedule:
+    """How kda_opt/forward runs a call of `plan` on `device`: what the plan fixed, with its segments'
+    or pieces' device tables (kda_opt/tables), and for packed sequences what their host copy
+    (cu_seqlens_cpu) says on this call: whether the long ones are cut (plan.parallel_cut) and the
+    launches' sizes (plan.sized_launches; not while capturing() says a CUDA graph is being captured,
+    whose replays may see other lengths)."""
     if plan.parallel:
-        return ParallelSegments(plan.segments)
+        return ParallelSegments(plan.segments, segment_tables(device, plan.segments, plan.checkpoint_every, plan.HV,
+                                                              plan.K))
     if len(plan.segments) > 1:
         return TimeSegments(plan.segments)
     cut = plan.parallel_cut
@@ -354,7 +359,8 @@ def schedule_of(plan: "Plan", cu_seqlens_cpu=None, capturing=lambda: False) -> S
         pieces = cut_sequences(cu_seqlens_cpu.tolist(), plan.HV, cut)
         if pieces is not None:
             return Pieces(pieces, cut.block_v or block_v_for(len(pieces) * plan.HV, math.gcd(plan.V, plan.K),
-                                                             cut.sms, plan.dtype))
+                                                             cut.sms, plan.dtype),
+                          piece_tables(device, pieces, plan.N, plan.checkpoint_every, plan.HV, plan.K))
     routed = plan.decode is not None
     sized = plan.sized_launches and not capturing()
     return OnePass(sequence_counts(cu_seqlens_cpu, routed) if sized else None, routed, plan.longest_first)
@@ -417,42 +423,41 @@ class DecodePlan(Sizes):
     num_warps: int
 
 
-def make_decode_plan(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
-                     output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
-                     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
-                     state_v_first=False, cu_seqlens=None, *, inplace_final_state=False, ssm_state_indices=None,
-                     num_accepted_tokens=None, out=None, pad_slot=None, sms: int | None = None) -> DecodePlan:
-    """kda_decode's arguments (its docstring says what each means) checked and resolved into a
-    DecodePlan. sms: the GPU's SM count, for the launch choices; None reads it from q's device, which
-    must then be a CUDA GPU with every tensor on it (the CPU tests pass a count)."""
-    scale = None if scale is None else checked_scale(scale)
-    indices = ssm_state_indices
-    N = validate(q, k, v, g, beta, initial_state if indices is None else None, use_gate_in_kernel=use_gate_in_kernel,
-                  A_log=A_log, dt_bias=dt_bias, safe_gate=False, lower_bound=lower_bound,
-                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-                  state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=None, chunk_size=CHUNK)
+def make_decode_plan(arguments: Mapping[str, Any], sms: int | None = None) -> DecodePlan:
+    """kda_decode's arguments, every one by name (kda_decode's locals(), or
+    kda_opt.checks.arguments_of(kda_decode, ...)), checked and resolved into a
+    DecodePlan; kda_decode's docstring says what each means. sms: the GPU's SM count, for the launch
+    choices; None reads it from q's device, which must then be a CUDA GPU with every tensor on it (the
+    CPU tests pass a count)."""
+    a = SimpleNamespace(**arguments)
+    scale = None if a.scale is None else checked_scale(a.scale)
+    q, v, indices, initial_state = a.q, a.v, a.ssm_state_indices, a.initial_state
+    N = validate(q, a.k, v, a.g, a.beta, initial_state if indices is None else None,
+                 use_gate_in_kernel=a.use_gate_in_kernel, A_log=a.A_log, dt_bias=a.dt_bias, safe_gate=False,
+                 lower_bound=a.lower_bound, use_beta_sigmoid_in_kernel=a.use_beta_sigmoid_in_kernel,
+                 allow_neg_eigval=a.allow_neg_eigval, state_v_first=a.state_v_first, cu_seqlens=a.cu_seqlens,
+                 cu_seqlens_cpu=None, chunk_size=CHUNK)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    columns = validate_decode_serving(q, v, N, initial_state, output_final_state, inplace_final_state, indices,
-                                       num_accepted_tokens, out, pad_slot, state_v_first, cu_seqlens)
+    columns = validate_decode_serving(q, v, N, initial_state, a.output_final_state, a.inplace_final_state, indices,
+                                      a.num_accepted_tokens, a.out, a.pad_slot, a.state_v_first, a.cu_seqlens)
     if sms is None:
-        validate_devices(q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias,
-                          cu_seqlens=cu_seqlens, ssm_state_indices=indices, num_accepted_tokens=num_accepted_tokens,
-                          out=out)
+        validate_devices(q, k=a.k, v=v, g=a.g, beta=a.beta, initial_state=initial_state, A_log=a.A_log,
+                         dt_bias=a.dt_bias, cu_seqlens=a.cu_seqlens, ssm_state_indices=indices,
+                         num_accepted_tokens=a.num_accepted_tokens, out=a.out)
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     write = Write.NONE
-    if output_final_state:
+    if a.output_final_state:
         write = Write.ROW
-    elif inplace_final_state:
+    elif a.inplace_final_state:
         write = Write.ROW if indices is None else Write.SLOT if indices.dim() == 1 else Write.EACH_TOKEN
     return _decode_plan(
-        Sizes(B, T, H, K, HV, V, N), scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound,
-        use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens is not None, sms,
+        Sizes(B, T, H, K, HV, V, N), scale, a.use_qk_l2norm_in_kernel, a.use_gate_in_kernel, a.lower_bound,
+        a.use_beta_sigmoid_in_kernel, a.allow_neg_eigval, a.state_v_first, a.cu_seqlens is not None, sms,
         read=Read.ZEROS if initial_state is None else Read.ROW if indices is None else Read.SLOT, write=write,
-        output_final_state=output_final_state, columns=columns,
-        slots=0 if indices is None else initial_state.shape[0], pad_slot=pad_slot, single=False,
-        state_itemsize=4 if initial_state is None or output_final_state else initial_state.element_size())
-
+        output_final_state=a.output_final_state, columns=columns,
+        slots=0 if indices is None else initial_state.shape[0], pad_slot=a.pad_slot, single=False,
+        state_itemsize=4 if initial_state is None or a.output_final_state else initial_state.element_size())
 
 def _routed_decodes(sizes: Sizes, scale, l2norm, gate_in_kernel, lower_bound, beta_sigmoid, neg_eigval, v_first,
                     initial_state, pool, output_final_state, sms) -> "DecodePlan":
@@ -501,9 +506,9 @@ DECODE_PROGRAMS = 32
 
 
 def decode_plan_for(arguments: dict) -> Entry:
-    """make_decode_plan(**arguments) made once per call signature (as plan_for), in its Entry."""
+    """make_decode_plan(arguments) made once per call signature (as plan_for), in its Entry."""
     key = _signature(arguments)
-    return _cached(None if key is None else ("decode", *key), lambda: make_decode_plan(**arguments))[0]
+    return _cached(None if key is None else ("decode", *key), lambda: make_decode_plan(arguments))[0]
 
 
 def decode_checks(arguments: dict) -> None:
@@ -511,6 +516,6 @@ def decode_checks(arguments: dict) -> None:
     signature (as plan_for; the launch choices are not needed, nor the device checks, which the call's
     own plan makes): raises as they do."""
     key = _signature(arguments)
-    _cached(None if key is None else ("checked", *key), lambda: make_decode_plan(**arguments, sms=1))
+    _cached(None if key is None else ("checked", *key), lambda: make_decode_plan(arguments, sms=1))
 
 

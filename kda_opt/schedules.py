@@ -1,6 +1,6 @@
 """The schedules of a call too long for one pass, as kda_opt/forward runs them: each takes the
 plan (its sizes and layouts), what kda_opt/plan.schedule_of resolved for the call (its token ranges, or
-its pieces and their V block), the inputs, stage 4's state arguments of the whole call (`state`),
+the device tables of its segments or pieces, kda_opt/tables, and the pieces' V block), the inputs, stage 4's state arguments of the whole call (`state`),
 stages 1–3 as one function (`prepare`) and stage 4's launcher (`stage4`), and returns o. Nothing here
 chooses a schedule.
 
@@ -17,7 +17,7 @@ chunk-local, and segments start at whole chunks), then stage 4 three times over 
 packed sequences: (1) segments 0 .. S − 2, segment 0 from the call's initial state and the others
 from zero, giving h (and segment 0's o and checkpoints); (2) the transitions M of segments 1 .. S − 2
 (stage 4 with v = 0 over K state columns from S_in = I, no o); then the merge, S_{j+1} = M_j S_j + h_j
-in one launch (S − 2 products in fp32, merge_kernel); (3) segments 1 .. S − 1 from their true starts,
+in one launch (S − 2 products in fp32, kda_opt/merge); (3) segments 1 .. S − 1 from their true starts,
 giving their o, checkpoints and the final state. Packed sequences with their host copy (cu_seqlens_cpu)
 are cut on each call: the long ones into segments, the others whole, every sequence's rows in order as
 pieces, and each pass runs the run of pieces it needs (parallel_packed). Three passes, each with every
@@ -26,17 +26,13 @@ that of one pass up to the rounding of M's 16-bit product operands, within one p
 the float64 recurrence (tests/test_parallel.py).
 """
 import functools
-import itertools
 import math
-from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
 
-from . import launch
-from .launch import triton_launch
+from .merge import merge
 from .options import state_shape
+from .tables import PieceTables, SegmentTables
 
 
 def final_states(plan, like: torch.Tensor) -> torch.Tensor:
@@ -44,15 +40,14 @@ def final_states(plan, like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(state_shape(plan.N, plan.HV, plan.K, plan.V, plan.state_v_first), dtype=torch.float32)
 
 
-def parallel(plan, segments, q, k, v, g, beta, state, checkpoints, prepare, stage4):
-    """o over `segments` ((t0, t1), ...) of one sequence (B = 1) run at once (module docstring, "Parallel
-    segments"); `state` holds stage 4's state arguments of the whole call. A pool slot is read by
+def parallel(plan, t: SegmentTables, q, k, v, g, beta, state, checkpoints, prepare, stage4):
+    """o over the segments of one sequence (B = 1) whose tables are `t`, run at once (module docstring,
+    "Parallel segments"); `state` holds stage 4's state arguments of the whole call. A pool slot is read by
     segment 0 and written by the last; a dense final state is the last segment's row of its own
     buffer, copied. With a dense state or none, and no has_initial_state, the call runs nothing but
     allocations, views, copies and launches (its tables package constants), so kda_opt/bound can
     replay it."""
-    S = len(segments)
-    t = _segment_tables(q.device, segments, plan.checkpoint_every)
+    S = len(t.first_bounds)
     gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta)
     common = dict(qk_rstd=rstd, beta_residual=r)
     o = torch.empty_like(v)
@@ -65,23 +60,22 @@ def parallel(plan, segments, q, k, v, g, beta, state, checkpoints, prepare, stag
            has_initial_state=mask, final_state=h, cu_seqlens=t.first_bounds, out=o, checkpoints=checkpoints,
            checkpoint_rows=None if checkpoints is None else t.first_rows, **common)
     M = v.new_empty((S - 2, plan.HV, plan.K, plan.K), dtype=torch.float32)
-    stage4(q, k, v, gcum, Tm, Aqk, initial_state=units(q.device, plan.HV, plan.K), slots=t.middle_zeros,
-           read_slots=True, final_state=M, cu_seqlens=t.middle_bounds, transition=True, state_v_first=False,
-           **common)
+    stage4(q, k, v, gcum, Tm, Aqk, initial_state=t.units, slots=t.middle_zeros, read_slots=True, final_state=M,
+           cu_seqlens=t.middle_bounds, transition=True, state_v_first=False, **common)
+    final, pool = state["final_state"], state["write_slots"]
+    last_slots = _beside(state["slots"], t.no_slots, first=False) if pool else None
     starts = merge(h, M, plan.state_v_first)
     # Pass 2: segments 1 .. S − 1 from their true starts; the last writes the call's final state.
-    final, pool = state["final_state"], state["write_slots"]
     ends = None if final is None or pool else torch.empty_like(starts)
     stage4(q, k, v, gcum, Tm, Aqk, initial_state=starts, final_state=final if pool else ends, write_slots=pool,
-           slots=_beside(state["slots"], t.no_slots, first=False) if pool else None,
-           cu_seqlens=t.last_bounds, out=o, checkpoints=checkpoints,
+           slots=last_slots, cu_seqlens=t.last_bounds, out=o, checkpoints=checkpoints,
            checkpoint_rows=None if checkpoints is None else t.last_rows, **common)
     if ends is not None:
         final.copy_(ends[-1:])
     return o
 
 
-def _first_segment_reads(state, t: "_Segments"):
+def _first_segment_reads(state, t: SegmentTables):
     """(slots, has_initial_state) of pass 1, whose first segment starts from the call's initial state
     (its pool slot, or row 0 of a dense state) and whose others read none (zeros); without an
     initial state, (None, the call's has_initial_state)."""
@@ -104,16 +98,15 @@ def _beside(x: torch.Tensor, table: torch.Tensor, first: bool) -> torch.Tensor:
     return out
 
 
-def parallel_packed(plan, pieces, block_v, q, k, v, g, beta, seqs, state, checkpoints, prepare, stage4):
-    """o over `pieces` ((n, t0, t1), ...: every packed sequence's rows in order, the long ones cut into
-    segments) run at once (module docstring, "Parallel segments"): three stage-4 passes, each over the
+def parallel_packed(plan, t: PieceTables, block_v, q, k, v, g, beta, seqs, state, checkpoints, prepare, stage4):
+    """o over the pieces whose tables are `t` (every packed sequence's rows in order, the long ones cut
+    into segments) run at once (module docstring, "Parallel segments"): three stage-4 passes, each over the
     run of pieces it needs. `state` holds stage 4's state arguments of the whole call: a sequence's
     first piece reads its initial state (a pool slot too), its last writes its final state. Where
-    _parallel (one sequence) reads the call's state in its first pass and merges into the last pass's
+    parallel (one sequence) reads the call's state in its first pass and merges into the last pass's
     starts directly, here the starts of every piece are gathered into one buffer first (pass 3 runs
     whole sequences from their initial states beside cut pieces from merged ones)."""
-    P = len(pieces)
-    t = piece_tables(q.device, pieces, plan.N, plan.checkpoint_every)
+    P = len(t.ck_rows)
     gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, seqs)
     common = dict(qk_rstd=rstd, beta_residual=r)
     o = torch.empty_like(v)
@@ -136,7 +129,7 @@ def parallel_packed(plan, pieces, block_v, q, k, v, g, beta, seqs, state, checkp
            out=o, checkpoints=checkpoints, checkpoint_rows=None if checkpoints is None else t.ck_rows[lo:hi],
            block_v=block_v, **common)
     lo, hi = t.m_pieces
-    stage4(q, k, v, gcum, Tm, Aqk, initial_state=units(q.device, plan.HV, plan.K), slots=t.zeros[lo:hi],
+    stage4(q, k, v, gcum, Tm, Aqk, initial_state=t.units, slots=t.zeros[lo:hi],
            read_slots=True, final_state=M[lo:hi], cu_seqlens=t.bounds[lo:hi + 1], transition=True,
            state_v_first=False, block_v=math.gcd(block_v, plan.K), **common)
     # A cut sequence's piece j + 1 starts where piece j ends, M_j S_j + h_j, and its first piece ends
@@ -149,7 +142,7 @@ def parallel_packed(plan, pieces, block_v, q, k, v, g, beta, seqs, state, checkp
     final, pool = state["final_state"], state["write_slots"]
     slots = None
     if final is not None:
-        rows = state["slots"].to(torch.int32) if pool else _sequence_rows(q.device, plan.N)
+        rows = state["slots"].to(torch.int32) if pool else t.sequence_rows
         slots = t.no_slots.index_copy(0, t.last, rows)
     lo, hi = t.o_pieces
     stage4(q, k, v, gcum, Tm, Aqk, initial_state=starts[lo:], final_state=final,
@@ -172,144 +165,9 @@ def _initial_states(state) -> torch.Tensor:
     return initial if use is None else torch.where(use.view(-1, 1, 1, 1), initial, 0.0)
 
 
-def merge(h: torch.Tensor, M: torch.Tensor, v_first: bool = False) -> torch.Tensor:
-    """The states after each of n consecutive segments, [n, …, HV, K, V] fp32 ([…, V, K] v_first): from
-    h [n, …] (each segment's final state from zero; the first's from the true start) and M [n − 1, …,
-    HV, K, K] (the transitions of segments 1 .. n − 1), S_0 = h_0, S_j = M_{j−1} S_{j−1} + h_j: one
-    launch (merge_kernel), each (chain, V block) program carrying its S through the n − 1 products in
-    fp32 (each product three tf32 ones, about fp32's precision)."""
-    K = M.shape[-1]
-    V = h.shape[-2] if v_first else h.shape[-1]
-    chains = h[0].numel() // (K * V)
-    h, M = h.float().contiguous(), M.float().contiguous()
-    out = torch.empty_like(h)
-    block = min(V, MERGE_BLOCK_V)
-    triton_launch(merge_kernel, (chains, V // block), None, h, M, out, h.shape[0], K, V, block, chains, v_first,
-                  num_warps=MERGE_WARPS, num_stages=MERGE_STAGES)
-    return out
-
-
-# merge_kernel's launch: V columns per program, warps, and M's loads two stages deep (the next
-# transition's quarters copied to shared memory while this one's products run).
-MERGE_BLOCK_V, MERGE_WARPS, MERGE_STAGES = 8, 4, 2
-
-
-@triton.jit(do_not_specialize=["n"])
-def merge_kernel(h, M, out, n, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, CHAINS: tl.constexpr,
-                 V_FIRST: tl.constexpr):
-    """out[0] = h[0], out[j] = M[j − 1] out[j − 1] + h[j] (merge) for chain program_id(0) over V block
-    program_id(1): h, out [n, CHAINS, K, V] ([…, V, K] V_FIRST), M [n − 1, CHAINS, K, K], contiguous.
-    S is carried as its two row halves [K / 2, BV] and each M as its four quarters, each product three
-    tf32 ones (about fp32's precision): at merge's launch no spill at any K, V (128–208 registers, 90 KB
-    of shared memory at K = 128, sm_90), where whole [K, K] tiles, or "ieee" products, spilled up to
-    8 KB a thread."""
-    R: tl.constexpr = K // 2
-    i_c, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    o_r = tl.arange(0, R)
-    o_v = i_v * BV + tl.arange(0, BV)
-    top = o_v[None, :] * K + o_r[:, None] if V_FIRST else o_r[:, None] * V + o_v[None, :]   # rows 0 .. R − 1
-    bottom = top + (R if V_FIRST else R * V)                                                 # rows R .. K − 1
-    quarter = o_r[:, None] * K + o_r[None, :]                                                # M[:R, :R]
-    h += i_c * K * V
-    out += i_c * K * V
-    M += i_c * K * K
-    S0, S1 = tl.load(h + top), tl.load(h + bottom)
-    tl.store(out + top, S0)
-    tl.store(out + bottom, S1)
-    for _ in range(1, n):
-        h += CHAINS * K * V
-        out += CHAINS * K * V
-        T0 = (tl.dot(tl.load(M + quarter), S0, input_precision="tf32x3")
-              + tl.dot(tl.load(M + R + quarter), S1, input_precision="tf32x3"))
-        T1 = (tl.dot(tl.load(M + R * K + quarter), S0, input_precision="tf32x3")
-              + tl.dot(tl.load(M + R * K + R + quarter), S1, input_precision="tf32x3"))
-        S0, S1 = T0 + tl.load(h + top), T1 + tl.load(h + bottom)
-        tl.store(out + top, S0)
-        tl.store(out + bottom, S1)
-        M += CHAINS * K * K
-
-
 def _state_row(plan) -> tuple[int, int, int]:
     """One sequence's state shape without N: [HV, K, V], or [HV, V, K] V-first."""
     return state_shape(1, plan.HV, plan.K, plan.V, plan.state_v_first)[1:]
-
-
-class _Segments(NamedTuple):
-    """One sequence's parallel segments' device tables (_segment_tables; int32 but no_reads), each a
-    package constant of its own (kda_opt/launch.constant), S segments."""
-    first_bounds: torch.Tensor  # [S] segments 0 .. S − 2's bounds, as cu_seqlens (pass 1)
-    middle_bounds: torch.Tensor  # [S − 1] segments 1 .. S − 2's (the transitions)
-    last_bounds: torch.Tensor   # [S] segments 1 .. S − 1's (pass 2)
-    first_rows: torch.Tensor    # [S − 1] segments 0 .. S − 2's first checkpoint rows
-    last_rows: torch.Tensor     # [S − 1] segments 1 .. S − 1's
-    no_slots: torch.Tensor      # [S − 2] slot rows of −1 (no state read or written)
-    middle_zeros: torch.Tensor  # [S − 2] slot rows of 0 (each transition's start, I)
-    first_zero: torch.Tensor    # [S − 1] slot 0 and then −1s: only segment 0 reads a dense initial state
-    no_reads: torch.Tensor      # [S − 2] bool, False: has_initial_state of the segments after the first
-
-
-@functools.lru_cache(maxsize=64)
-def _segment_tables(device: torch.device, segments, checkpoint_every: int) -> _Segments:
-    """The tables of parallel segments (t0, t1), ... (segments start on checkpoint boundaries)."""
-    S = len(segments)
-    bounds = [t0 for t0, _ in segments] + [segments[-1][1]]
-    rows = [t0 // checkpoint_every for t0, _ in segments]
-    none = [-1] * (S - 2)
-    tables = (bounds[:S], bounds[1:S], bounds[1:], rows[:S - 1], rows[1:], none, [0] * (S - 2), [0] + none)
-    return _Segments(*(launch.constant(torch.tensor(x, dtype=torch.int32, device=device)) for x in tables),
-                     launch.constant(torch.zeros(S - 2, dtype=torch.bool, device=device)))
-
-
-class _Pieces(NamedTuple):
-    """Parallel segments' tables (piece_tables)."""
-    bounds: torch.Tensor        # [P + 1] int32: the pieces' bounds, as cu_seqlens
-    ck_rows: torch.Tensor       # [P] int32: each piece's first checkpoint row
-    first: torch.Tensor         # [N] int64: each sequence's first piece
-    last: torch.Tensor          # [N] int64: and its last
-    grid: torch.Tensor          # [most pieces, cut sequences] int64: the cut sequences' pieces, padded with P
-    zeros: torch.Tensor         # [P] int32 slot rows of 0
-    no_slots: torch.Tensor      # [P] int32 slot rows of −1
-    h_pieces: tuple[int, int]   # the run of pieces pass 1 takes: from the first to the last cut sequence's last but one
-    m_pieces: tuple[int, int]   # pass 2: their middle pieces' run
-    o_pieces: tuple[int, int]   # pass 3: from the first piece that is not a cut sequence's first, to the end
-
-
-@functools.lru_cache(maxsize=64)
-def piece_tables(device: torch.device, pieces, N: int, checkpoint_every: int) -> _Pieces:
-    """_parallel_packed's tables for pieces (n, t0, t1) of N sequences, at least one of them cut: checkpoint
-    rows as packed checkpoints are laid out (sequence n's from Σ_{m<n} cdiv(len_m, checkpoint_every));
-    the device ones copied from pinned memory, without waiting for the device."""
-    P = len(pieces)
-    first, last, lengths = [P] * N, [0] * N, [0] * N
-    for p, (n, t0, t1) in enumerate(pieces):
-        first[n], last[n], lengths[n] = min(first[n], p), p, lengths[n] + t1 - t0
-    rows = list(itertools.accumulate((-(-x // checkpoint_every) for x in lengths), initial=0))
-    ck_rows = [rows[n] + (t0 - pieces[first[n]][1]) // checkpoint_every for n, t0, _ in pieces]
-    cut = [n for n in range(N) if last[n] > first[n]]
-    depth = max(last[n] - first[n] + 1 for n in cut)
-    grid = [first[n] + j if first[n] + j <= last[n] else P for j in range(depth) for n in cut]
-    firsts = {first[n] for n in cut}
-    rest = [p for p in range(P) if p not in firsts]
-    host = torch.tensor([t0 for _, t0, _ in pieces] + [pieces[-1][2]] + ck_rows + first + last + [0] * P + [-1] * P
-                        + grid, dtype=torch.int32)
-    host = host.pin_memory() if device.type == "cuda" else host
-    table = host.to(device, non_blocking=True)
-    bounds, ck, fst, lst, zeros, none, flat = table.split((P + 1, P, N, N, P, P, len(grid)))
-    return _Pieces(bounds, ck, fst.long(), lst.long(), flat.long().view(depth, len(cut)), zeros, none,
-                   (first[cut[0]], last[cut[-1]]), (first[cut[0]] + 1, last[cut[-1]]), (rest[0], rest[-1] + 1))
-
-
-@functools.lru_cache(maxsize=16)
-def _sequence_rows(device: torch.device, N: int) -> torch.Tensor:
-    """0 .. N − 1, int32: sequence n's row of a dense final state, which pass 3 writes as a slot."""
-    return torch.arange(N, dtype=torch.int32, device=device)
-
-
-@functools.lru_cache(maxsize=16)
-def units(device: torch.device, HV: int, K: int) -> torch.Tensor:
-    """I [1, HV, K, K] fp32: the start from which stage 4's transition mode gives a transition (a
-    package constant, kda_opt/launch.constant)."""
-    return launch.constant(torch.eye(K, device=device).expand(1, HV, K, K).contiguous())
 
 
 @functools.cache

@@ -1,11 +1,20 @@
 """Inputs of the intermediate stages, built with the float64 reference: Γ (log2 units, fp32 as stage 1
-writes it), the chunk matrices, and the raw q, k, v, β they come from."""
+writes it), the chunk matrices, and the raw q, k, v, β they come from; and the plan of a call
+(plan_of)."""
 import math
 
 import torch
 
 from kda_opt import reference as ref
+from kda_opt import kda_forward
+from kda_opt.checks import arguments_of
 from kda_opt.options import L2NORM_EPS
+from kda_opt.plan import Tuning, make_plan
+
+
+def plan_of(tuning: Tuning = Tuning(), sms: int | None = None, **arguments):
+    """make_plan of kda_forward's call on these keyword arguments (its defaults for the others)."""
+    return make_plan(arguments_of(kda_forward, **arguments), tuning=tuning, sms=sms)
 
 
 def stage_inputs(B, T, H, K, V=None, HV=None, gate="safe", dtype=torch.float32, device="cpu", seed=0):

@@ -697,7 +697,7 @@ def test_cp_rows_make_the_calls_they_name(monkeypatch):
     inputs (the plan made without parallel segments), FLA on the same; FlashKDA where it runs."""
     from kda_bench import cp
     import kda_opt.plan as plan_module
-    monkeypatch.setattr(plan_module, "make_plan", lambda **a: a["tuning"])
+    monkeypatch.setattr(plan_module, "make_plan", lambda arguments, tuning: tuning)
     monkeypatch.setattr(cp.peers, "flashkda", lambda args: ((lambda: "fkda"), None) if args.get("state_v_first")
                         else (None, "no"))
     import kda_opt.forward as forward

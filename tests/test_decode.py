@@ -8,10 +8,12 @@ import sys
 import pytest
 import torch
 
+from kda_opt.checks import arguments_of
 from kda_opt.decode import kda_decode, run
 from kda_opt.plan import DECODE_PROGRAMS, DecodePlan, make_decode_plan
 from kda_opt.reference import ERROR_FLOOR, reference_decode
 from tests.conftest import HAS_CUDA, gpu, kernel_device, rel_err
+from tests.stage_inputs import plan_of
 
 DEVICE = kernel_device()
 SMS = 132
@@ -65,7 +67,7 @@ def decoded(args):
     SM count, since make_decode_plan checks devices only on a GPU)."""
     if HAS_CUDA:
         return kda_decode(**args)
-    plan = make_decode_plan(**args, sms=SMS)
+    plan = make_decode_plan(arguments_of(kda_decode, **args), sms=SMS)
     names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens", "ssm_state_indices",
              "num_accepted_tokens", "out")
     return run(plan, **{n: args.get(n) for n in names})
@@ -161,7 +163,7 @@ def test_zero_accepted_tokens_is_a_pad_row():
 
 def plan(**overrides) -> DecodePlan:
     args = inputs(**{**dict(N=4, T=1, H=2, K=64, slots=6, indices=[5, 0, 3, 2], inplace=True), **overrides})
-    return make_decode_plan(**args, sms=SMS)
+    return make_decode_plan(arguments_of(kda_decode, **args), sms=SMS)
 
 
 def test_plan_reads_and_writes():
@@ -220,7 +222,7 @@ BAD_INPUTS = {
 def test_bad_inputs_raise(case):
     error, message, changes = BAD_INPUTS[case]
     with pytest.raises(error, match=message):
-        make_decode_plan(**bad(**changes), sms=SMS)
+        make_decode_plan(arguments_of(kda_decode, **bad(**changes)), sms=SMS)
 
 
 @gpu
@@ -331,17 +333,17 @@ def test_plan_routes_only_packed_one_pass_calls():
     """The prefill plan holds a DecodePlan for its one-token sequences where the call is packed, has
     no checkpoints and the tuning asks; it reads and writes where stage 4 would."""
     from kda_bench.inputs import random_inputs
-    from kda_opt.plan import Tuning, make_plan
+    from kda_opt.plan import Tuning
     routed = Tuning()
     args, _ = mixed_call()
-    plan = make_plan(**args, tuning=routed).decode
+    plan = plan_of(**args, tuning=routed).decode
     assert (plan.single, plan.read, plan.write, plan.slots, plan.packed) == (True, 2, 2, 20, True)
-    assert make_plan(**args, tuning=Tuning(route_decodes=False)).decode is None
-    assert make_plan(**random_inputs(3, 1, 2, 128, initial_state=True)).decode is None   # dense: stage 4
+    assert plan_of(**args, tuning=Tuning(route_decodes=False)).decode is None
+    assert plan_of(**random_inputs(3, 1, 2, 128, initial_state=True)).decode is None   # dense: stage 4
     dense, _ = mixed_call(pool=False)
-    assert (make_plan(**dense, tuning=routed).decode.read, make_plan(**dense, tuning=routed).decode.write) == (1, 1)
+    assert (plan_of(**dense, tuning=routed).decode.read, plan_of(**dense, tuning=routed).decode.write) == (1, 1)
     ckpt = torch.zeros(1, 16, 2, 128, 128, device="cuda")
-    assert make_plan(**args, checkpoints=ckpt, tuning=routed).decode is None
+    assert plan_of(**args, checkpoints=ckpt, tuning=routed).decode is None
 
 
 @gpu

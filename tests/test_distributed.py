@@ -112,10 +112,10 @@ def test_packed_slices_across_processes_equal_one_pass(tmp_path, world, call, la
 
 @pytest.mark.parametrize("K,V", [(64, 64), (128, 64), (128, 128)])
 def test_merge_of_states_and_transitions(K, V):
-    """schedules.merge (one Triton launch; CPU: the interpreter): S_0 = h_0, S_j = M_{j−1} S_{j−1} + h_j
+    """kda_opt/merge (one Triton launch; CPU: the interpreter): S_0 = h_0, S_j = M_{j−1} S_{j−1} + h_j
     per chain (batch dimensions between the segments' and the heads'), K-first and V-first, against
     the same chain in float64; one segment is its h."""
-    from kda_opt.schedules import merge
+    from kda_opt.merge import merge
     gen = torch.Generator().manual_seed(0)
     h, M = torch.randn(5, 3, 2, K, V, generator=gen), torch.randn(4, 3, 2, K, K, generator=gen) / K ** 0.5
     h, M = h.to(kernel_device()), M.to(kernel_device())

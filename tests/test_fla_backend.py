@@ -320,7 +320,7 @@ def test_decode_verifier_checks_a_call_once_per_signature(decode_registry, on_ho
     from kda_opt import plan
     made = []
     real = plan.make_decode_plan
-    monkeypatch.setattr(plan, "make_decode_plan", lambda **kw: made.append(1) or real(**kw))
+    monkeypatch.setattr(plan, "make_decode_plan", lambda a, **kw: made.append(1) or real(a, **kw))
     monkeypatch.setattr(plan, "_plans", {})                 # no signature of an earlier test
     backend = decode_registry._backends["kda_opt"]
     call = decode_call()
@@ -387,7 +387,7 @@ def decode_stand_ins(monkeypatch):
     """decode.call recorded; plan.decode_plan_for's checks made as on a GPU of one SM (CPU tensors)."""
     from kda_opt import plan
     calls = []
-    monkeypatch.setattr(plan, "decode_plan_for", lambda a: plan.Entry(plan.make_decode_plan(**a, sms=1)))
+    monkeypatch.setattr(plan, "decode_plan_for", lambda a: plan.Entry(plan.make_decode_plan(a, sms=1)))
     monkeypatch.setattr(decode, "call", lambda entry, arguments: calls.append((entry, arguments)) or ("o", None))
     return calls
 

@@ -8,15 +8,16 @@ import torch
 from kda_bench.inputs import GATE_MODES, PER_TOKEN, ill_conditioned_inputs, random_inputs
 from kda_opt import kda_forward, reference
 from kda_opt.forward import RUN_TENSORS, run
-from kda_opt.plan import Tuning, make_plan
+from kda_opt.plan import Tuning
 from kda_opt.reference import ERROR_FLOOR, error_bound, reference_forward
 from tests.conftest import gpu, rel_err
+from tests.stage_inputs import plan_of
 
 
 
 def run_tuned(args, tuning, launch=None):
     """kda_forward's call with other launch knobs: the plan made with `tuning`, then run."""
-    plan = make_plan(**args, tuning=tuning)
+    plan = plan_of(**args, tuning=tuning)
     return run(plan, **{n: args.get(n) for n in RUN_TENSORS}, **({"launch": launch} if launch else {}))
 
 
@@ -312,12 +313,12 @@ def test_forward_time_segments(call):
     (the state handed on is stage 4's fp32 state), a tail chunk in the last segment."""
     args = random_inputs(1, 1000, 2, 128, seed=41, **call)
     o, s = kda_forward(**args)
-    assert make_plan(**args).segments == ((0, 1000),)
+    assert plan_of(**args).segments == ((0, 1000),)
     tuning = Tuning(segment_tokens=128)
     launches = []
     record = lambda name, launcher, *a, **kw: launches.append(name) or launcher(*a, **kw)
     o_seg, s_seg = run_tuned(args, tuning, launch=record)
-    segments = len(make_plan(**args, tuning=tuning).segments)
+    segments = len(plan_of(**args, tuning=tuning).segments)
     assert segments > 1 and launches == ["gate", "intra", "wuso"] * segments
     assert torch.equal(o_seg, o) and torch.equal(s_seg, s)
 
@@ -433,7 +434,7 @@ def test_compiled_launches_match_the_jit(call):
             "flashkda packed": lambda: random_inputs(1, 777, 4, 128, seqlens=[1, 63, 64, 65, 584], l2norm=True,
                                                      beta_logits=True, state_v_first=True, initial_state=True),
             "time segments": lambda: random_inputs(1, 1000, 2, 128, gate="softplus", initial_state=True)}[call]()
-    plan = make_plan(**args, tuning=tuning)
+    plan = plan_of(**args, tuning=tuning)
     tensors = {n: args.get(n) for n in RUN_TENSORS}
     o_jit, s_jit = run(plan, **tensors)
     kernels = {}

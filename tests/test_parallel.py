@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from kda_bench.inputs import random_inputs
-from kda_opt import kda_forward, schedules
-from kda_opt.plan import Tuning, cut_sequences, make_plan
+from kda_opt import kda_forward, merge
+from kda_opt.plan import Tuning, cut_sequences
 from kda_opt.reference import ERROR_FLOOR, reference_forward
 from tests.conftest import gpu, rel_err
+from tests.stage_inputs import plan_of
 from tests.test_forward import run_tuned
 
 PARALLEL = Tuning(parallel=True, parallel_tokens=128)
@@ -48,16 +49,16 @@ def test_parallel_segments_equal_one_pass(call):
     """Six segments of 192 tokens (a tail in the last): o and the final state within the error of
     one pass against the float64 recurrence, and close to one pass's numbers."""
     args = slow(random_inputs(1, 1000, 2, 128, seed=51, **CALLS[call]))
-    plan = make_plan(**args, tuning=PARALLEL)
+    plan = plan_of(**args, tuning=PARALLEL)
     assert plan.parallel and plan.segments == tuple((t, min(t + 192, 1000)) for t in range(0, 1000, 192))
     assert_parallel_equals_one_pass(args)
 
 
-MERGE_LAUNCH = dict(num_warps=schedules.MERGE_WARPS, num_stages=schedules.MERGE_STAGES)
+MERGE_LAUNCH = dict(num_warps=merge.MERGE_WARPS, num_stages=merge.MERGE_STAGES)
 SM90_SPECIALISATIONS = {
     f"merge, K={K}, V={V}, {'V' if v_first else 'K'}-first": (
         "merge_kernel", dict(h="*fp32", M="*fp32", out="*fp32", n="i32"),
-        dict(K=K, V=V, BV=schedules.MERGE_BLOCK_V, CHAINS=16, V_FIRST=v_first), MERGE_LAUNCH)
+        dict(K=K, V=V, BV=merge.MERGE_BLOCK_V, CHAINS=16, V_FIRST=v_first), MERGE_LAUNCH)
     for K, V, v_first in ((128, 128, False), (128, 128, True), (128, 64, True), (64, 128, False))
 }
 
@@ -70,9 +71,9 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kda_opt import schedules
+from kda_opt import merge
 kernel, signature, constants, options = json.loads(sys.argv[1])
-source = ASTSource(getattr(schedules, kernel), {**signature, **{n: "constexpr" for n in constants}}, constexprs=constants)
+source = ASTSource(getattr(merge, kernel), {**signature, **{n: "constexpr" for n in constants}}, constexprs=constants)
 sys.stdout.buffer.write(triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"])
 """
 
@@ -112,7 +113,7 @@ def test_parallel_segments_with_a_pool_and_checkpoints(state_v_first):
             call = {**args, "initial_state": pool, "initial_state_indices": torch.tensor([1], device="cuda"),
                     "has_initial_state": torch.tensor([has], device="cuda"), "checkpoints": ck,
                     "checkpoint_every": 128}
-            assert make_plan(**call, tuning=tuning).parallel == bool(tuning.parallel)
+            assert plan_of(**call, tuning=tuning).parallel == bool(tuning.parallel)
             run_tuned(call, tuning)
             pools.append(pool)
             cks.append(ck)
@@ -126,11 +127,11 @@ def test_parallel_segments_with_a_pool_and_checkpoints(state_v_first):
 def test_slices_by_kda_opt_merged_equal_one_pass(call):
     """kda_opt/distributed's steps on one GPU without a collective: three slices of one sequence (not
     multiples of 64), each slice's stages 1–3 once (forward.Prepared), its final state from zero and transition
-    by kda_opt, merged (schedules.merge), each slice from its start: one pass's o and final state within
+    by kda_opt, merged (kda_opt/merge), each slice from its start: one pass's o and final state within
     its error bound; the transition against the float64 reference's (v = 0 from I)."""
     from kda_opt.distributed import ReferenceEngine
     from kda_opt.forward import Prepared
-    from kda_opt.schedules import merge
+    from kda_opt.merge import merge
     args = slow(random_inputs(1, 1000, 2, 128, seed=53, **CALLS[call]))
     initial = args.pop("initial_state")
     args.pop("output_final_state")
@@ -181,7 +182,7 @@ def test_lone_packed_sequence_runs_as_fixed_length():
     runs = {}
     for name, extra in {"fixed": {}, "lone": dict(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu),
                         "packed": dict(cu_seqlens=cu.cuda())}.items():
-        plan = make_plan(**args, **extra, initial_state=pool, **serving)
+        plan = plan_of(**args, **extra, initial_state=pool, **serving)
         assert (plan.parallel, plan.packed) == ((True, False) if name != "packed" else (False, True)), name
         state, checkpoints = pool.clone(), torch.zeros(1, T // 512, 2, 128, 128, device="cuda")
         o, _ = kda_forward(**args, **extra, initial_state=state, **serving, checkpoints=checkpoints,
@@ -201,7 +202,7 @@ def test_packed_long_sequences_cut_equal_one_pass(call):
     segments beside the others (empty and one-token ones among them), o and the final states within
     one pass's error against the float64 recurrence and close to the packed path's numbers."""
     args = slow(random_inputs(1, sum(PACKED_LENGTHS), 2, 128, seed=58, seqlens=PACKED_LENGTHS, **CALLS[call]))
-    plan = make_plan(**args, tuning=PARALLEL)
+    plan = plan_of(**args, tuning=PARALLEL)
     assert plan.packed and not plan.parallel and plan.parallel_cut is not None
     assert [n for n, _, _ in cut_sequences(args["cu_seqlens_cpu"].tolist(), plan.HV, plan.parallel_cut)] == \
         [0] + [1] * 6 + [2, 3] + [4] * 4 + [5]
@@ -227,7 +228,7 @@ def test_packed_long_sequences_cut_with_a_pool_and_checkpoints(state_v_first):
         call = {**args, "initial_state": pool, "initial_state_indices": slots, "checkpoints": ck,
                 "has_initial_state": torch.tensor([True, True, True, True, False, True], device="cuda"),
                 "checkpoint_every": 128}
-        assert (make_plan(**call, tuning=tuning).parallel_cut is not None) == bool(tuning.parallel)
+        assert (plan_of(**call, tuning=tuning).parallel_cut is not None) == bool(tuning.parallel)
         run_tuned(call, tuning)
         pools.append(pool)
         cks.append(ck)

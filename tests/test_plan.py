@@ -9,12 +9,13 @@ import torch
 
 from kda_bench.inputs import PER_TOKEN, random_inputs
 from kda_opt import kda_forward
-from kda_opt.schedules import piece_tables
+from kda_opt.tables import piece_tables
 from kda_opt.seqs import RANK_MAX
 from kda_opt.intra import FP32_WARPS, NUM_WARPS
-from kda_opt.plan import (ParallelCut, Tuning, _parallel_pays, cut_sequences, make_plan, parallel_segments,
+from kda_opt.plan import (ParallelCut, Tuning, _parallel_pays, cut_sequences, parallel_segments,
                           time_segments)
 from tests.conftest import gpu
+from tests.stage_inputs import plan_of
 
 
 # ---- validation: every bad input raises before any kernel runs (these run on CPU tensors, since
@@ -238,7 +239,7 @@ def planned(monkeypatch):
     each new plan was made from."""
     import kda_opt.plan as plan_module
     calls = []
-    monkeypatch.setattr(plan_module, "make_plan", lambda **a: calls.append(a) or object())
+    monkeypatch.setattr(plan_module, "make_plan", lambda a: calls.append(a) or object())
     monkeypatch.setattr(plan_module, "_plans", {})
     arguments = lambda **over: {**CALL_DEFAULTS, **cpu_args(output_final_state=False), **over}
     return (lambda **over: plan_module.plan_for(arguments(**over))), calls
@@ -423,19 +424,20 @@ def test_cut_sequences():
 
 
 def test_piece_tables():
-    """The tables of cut sequences (kda_opt/forward): bounds, checkpoint rows as the packed layout
+    """The tables of cut sequences (kda_opt/tables): bounds, checkpoint rows as the packed layout
     numbers them, first and last pieces, the merge's grid padded with the spare row, and the run of
     pieces each pass takes (pass 1 the cut sequences' pieces but their last, pass 2 their middle
     ones, pass 3 from the first piece that is not a cut sequence's first)."""
     pieces = ((0, 0, 10), (1, 10, 202), (1, 202, 394), (1, 394, 400), (2, 400, 400), (3, 400, 592), (3, 592, 600))
-    t = piece_tables(torch.device("cpu"), pieces, 4, 64)
+    t = piece_tables(torch.device("cpu"), pieces, 4, 64, 2, 64)
     assert t.bounds.tolist() == [0, 10, 202, 394, 400, 400, 592, 600]
     assert t.ck_rows.tolist() == [0, 1, 4, 7, 8, 8, 11] and t.first.tolist() == [0, 1, 4, 5]
     assert t.last.tolist() == [0, 3, 4, 6] and t.grid.tolist() == [[1, 5], [2, 6], [3, 7]]
     assert t.first.dtype == t.last.dtype == t.grid.dtype == torch.int64          # index_copy_'s indices
     assert t.zeros.tolist() == [0] * 7 and t.no_slots.tolist() == [-1] * 7
     assert (t.h_pieces, t.m_pieces, t.o_pieces) == ((1, 6), (2, 6), (0, 7))
-    lone = piece_tables(torch.device("cpu"), tuple((0, s, s + 100) for s in range(0, 500, 100)), 1, 64)
+    assert t.sequence_rows.tolist() == [0, 1, 2, 3] and torch.equal(t.units, torch.eye(64).expand(1, 2, 64, 64))
+    lone = piece_tables(torch.device("cpu"), tuple((0, s, s + 100) for s in range(0, 500, 100)), 1, 64, 2, 64)
     assert (lone.h_pieces, lone.m_pieces, lone.o_pieces) == ((0, 4), (1, 4), (1, 5))
 
 # ---- GPU: what the plan resolves ----
@@ -444,7 +446,7 @@ def test_piece_tables():
 def test_plan_of_the_default_call():
     """The benchmark's default call (safe gate in kernel, bf16, a state): one pass, stage 4's widest
     V block (96 programs fill one wave), β a bf16 number (no residual), the default scale."""
-    plan = make_plan(**random_inputs(1, 8192, 96, 128, initial_state=True))
+    plan = plan_of(**random_inputs(1, 8192, 96, 128, initial_state=True))
     assert (plan.B, plan.T, plan.H, plan.K, plan.HV, plan.V, plan.N) == (1, 8192, 96, 128, 96, 128, 1)
     assert plan.segments == ((0, 8192),) and plan.block_v == 128 and not plan.packed
     assert plan.gate.in_kernel and plan.gate.bounded and plan.scale == 128 ** -0.5
@@ -452,7 +454,7 @@ def test_plan_of_the_default_call():
     assert not plan.beta_residual and not plan.l2norm and plan.beta_sigmoid is None
     assert (plan.intra_warps, plan.worker_warps) == (NUM_WARPS, Tuning().worker_warps)
     # fp32 inputs: stages 2+3 at their own warp count (kda_opt/intra.warps_for).
-    assert make_plan(**random_inputs(1, 256, 2, 64, dtype=torch.float32)).intra_warps == FP32_WARPS != NUM_WARPS
+    assert plan_of(**random_inputs(1, 256, 2, 64, dtype=torch.float32)).intra_warps == FP32_WARPS != NUM_WARPS
 
 
 @gpu
@@ -461,11 +463,11 @@ def test_plan_longest_first():
     grid of one wave, more than RANK_MAX sequences, a dense call and Tuning(longest_first=False) keep
     the grid's order."""
     many = random_inputs(1, 300 * 64, 32, 128, seqlens=[64] * 300, initial_state=True)
-    assert make_plan(**many).longest_first
-    assert not make_plan(**many, tuning=Tuning(longest_first=False)).longest_first
-    assert not make_plan(**random_inputs(1, 300, 2, 128, seqlens=[100, 200])).longest_first
-    assert not make_plan(**random_inputs(2, 300, 96, 128)).longest_first
-    assert not make_plan(**random_inputs(1, RANK_MAX + 1, 2, 128, seqlens=[1] * (RANK_MAX + 1))).longest_first
+    assert plan_of(**many).longest_first
+    assert not plan_of(**many, tuning=Tuning(longest_first=False)).longest_first
+    assert not plan_of(**random_inputs(1, 300, 2, 128, seqlens=[100, 200])).longest_first
+    assert not plan_of(**random_inputs(2, 300, 96, 128)).longest_first
+    assert not plan_of(**random_inputs(1, RANK_MAX + 1, 2, 128, seqlens=[1] * (RANK_MAX + 1))).longest_first
 
 
 @gpu
@@ -473,13 +475,13 @@ def test_plan_sized_launches():
     """Stage 4's launches are sized from the host lengths where a packed one-pass call gives them
     (cu_seqlens_cpu), not without them, with checkpoint offsets, or with Tuning(sized_launches=False)."""
     args = random_inputs(1, 300, 2, 128, seqlens=[1, 100, 199], initial_state=True)
-    assert make_plan(**args).sized_launches
-    assert not make_plan(**args, tuning=Tuning(sized_launches=False)).sized_launches
-    assert not make_plan(**{**args, "cu_seqlens_cpu": None}).sized_launches
+    assert plan_of(**args).sized_launches
+    assert not plan_of(**args, tuning=Tuning(sized_launches=False)).sized_launches
+    assert not plan_of(**{**args, "cu_seqlens_cpu": None}).sized_launches
     offsets = dict(checkpoints=torch.zeros(1, 8, 2, 128, 128, device="cuda"), checkpoint_offsets=torch.tensor(
         [1, 64, 64], device="cuda"))
-    assert not make_plan(**args, **offsets).sized_launches
-    assert not make_plan(**random_inputs(2, 300, 2, 128)).sized_launches
+    assert not plan_of(**args, **offsets).sized_launches
+    assert not plan_of(**random_inputs(2, 300, 2, 128)).sized_launches
 
 
 @gpu
@@ -487,9 +489,9 @@ def test_plan_of_flashkda_configuration():
     """l2norm, β logits (so a residual for stage 4), V-first states; and with allow_neg_eigval β's
     sigmoid doubled."""
     args = random_inputs(1, 300, 2, 128, l2norm=True, beta_logits=True, state_v_first=True, initial_state=True)
-    plan = make_plan(**args)
+    plan = plan_of(**args)
     assert plan.l2norm and plan.beta_sigmoid == 1.0 and plan.beta_residual and plan.state_v_first
-    assert make_plan(**args, allow_neg_eigval=True).beta_sigmoid == 2.0
+    assert plan_of(**args, allow_neg_eigval=True).beta_sigmoid == 2.0
 
 
 @gpu
@@ -499,7 +501,7 @@ def test_plan_of_flashkda_configuration():
 def test_plan_beta_residual_where_beta_is_not_a_number_of_k_dtype(beta_dtype, k_dtype, residual):
     args = random_inputs(1, 64, 2, 64, dtype=k_dtype)
     args["beta"] = args["beta"].to(beta_dtype)
-    assert make_plan(**args).beta_residual == residual
+    assert plan_of(**args).beta_residual == residual
 
 
 @gpu
@@ -509,19 +511,19 @@ def test_plan_time_segments_and_block_v():
     are taken as given."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     args = random_inputs(1, 65536, 16, 128, initial_state=True)
-    plan = make_plan(**args, tuning=Tuning(parallel=False))
+    plan = plan_of(**args, tuning=Tuning(parallel=False))
     assert plan.block_v == 32 and plan.segments == time_segments(65536, 1, 16 * 4, sms, False, 8192, 8)
     assert len(plan.segments) == 8 and not plan.parallel
     # By default its segments run at once there (parallel segments: one wave at the widest block).
-    plan = make_plan(**args)
+    plan = plan_of(**args)
     assert plan.parallel and plan.block_v == 128 and plan.segments == parallel_segments(65536, 1, 16, sms, False,
                                                                                           Tuning().parallel_tokens)
     # And at a tensor-parallel shard: a wave of SMs / heads + 1 segments.
-    shard = make_plan(**random_inputs(1, 8192, 12, 128))
+    shard = plan_of(**random_inputs(1, 8192, 12, 128))
     assert shard.parallel and len(shard.segments) == min(sms // 12 + 1, 8192 // Tuning().parallel_tokens)
-    packed = make_plan(**random_inputs(1, 65536, 16, 128, seqlens=[30000, 35536]))
+    packed = plan_of(**random_inputs(1, 65536, 16, 128, seqlens=[30000, 35536]))
     assert packed.packed and packed.N == 2 and packed.segments == ((0, 65536),)
-    tuned = make_plan(**random_inputs(1, 1000, 2, 128), tuning=Tuning(segment_tokens=128, block_v=64,
+    tuned = plan_of(**random_inputs(1, 1000, 2, 128), tuning=Tuning(segment_tokens=128, block_v=64,
                                                                        intra_warps=2, worker_warps=4))
     assert tuned.block_v == 64 and len(tuned.segments) == 6 and (tuned.intra_warps, tuned.worker_warps) == (2, 4)
 

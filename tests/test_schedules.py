@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from kda_opt import forward
-from kda_opt.options import CHUNK, state_shape
-from kda_opt.plan import OnePass, ParallelSegments, Pieces, TimeSegments, Tuning, make_plan, schedule_of
+from kda_opt.options import CHUNK
+from kda_opt.plan import OnePass, ParallelSegments, Pieces, TimeSegments, Tuning, schedule_of
 from kda_opt.reference import recurrent_kda
 from tests.conftest import kernel_device, rel_err
+from tests.stage_inputs import plan_of
 
 H, HV, K, V = 1, 2, 16 * 4, 64
 SMS = 8                                  # a small GPU's count, so that few heads already fill it
@@ -117,7 +118,7 @@ def inputs(T, B=1, seed=0):
 def run(call, tuning=Tuning()):
     """forward.run of the call's plan (on SMS SMs) with stage 4 stood in for: (o, final state, the
     stand-in)."""
-    plan = make_plan(**call, tuning=tuning, sms=SMS)
+    plan = plan_of(**call, tuning=tuning, sms=SMS)
     stage4 = Stage4(call["q"], call["k"], call["v"], call["g"], call["beta"])
 
     def launch(name, launcher, *args, **kwargs):
@@ -234,7 +235,7 @@ def test_time_segments_hand_the_state_on(pool):
     else:
         call["output_final_state"] = True
     plan, o, final, stage4 = run(call, Tuning(segment_tokens=64, max_segments=3))
-    assert schedule_of(plan) == TimeSegments(((0, 128), (128, 256), (256, 300)))
+    assert schedule_of(plan, torch.device(D)) == TimeSegments(((0, 128), (128, 256), (256, 300)))
     assert [c["ranges"] for c in stage4.calls] == [[(0, 128)], [(128, 256)], [(256, 300)]]
     start = h0[2 if pool else 0]
     ref_o, ref_s = truth(call, [T], [start])
@@ -266,7 +267,8 @@ def test_parallel_segments_merge_their_transitions(state):
     else:
         call["output_final_state"] = True
     plan, o, final, stage4 = run(call, Tuning(parallel=True, parallel_tokens=64))
-    assert schedule_of(plan) == ParallelSegments(tuple((t, t + 64) for t in range(0, T, 64)))
+    assert schedule_of(plan, torch.device(D)).segments == tuple((t, t + 64) for t in range(0, T, 64))
+    assert isinstance(schedule_of(plan, torch.device(D)), ParallelSegments)
     assert [c["transition"] for c in stage4.calls] == [False, True, False]
     ref_o, ref_s = truth(call, [T], [start])
     assert rel_err(o, ref_o) <= TOL
@@ -292,7 +294,7 @@ def test_packed_sequences_cut_into_pieces(pool):
         call.update(initial_state=h0[:3].clone(), output_final_state=True)
         starts = list(h0[:3])
     plan, o, final, stage4 = run(call, Tuning(parallel=True, parallel_tokens=64))
-    schedule = schedule_of(plan, call["cu_seqlens_cpu"])
+    schedule = schedule_of(plan, torch.device(D), call["cu_seqlens_cpu"])
     assert isinstance(schedule, Pieces) and len(schedule.pieces) == 5 + 1 + 3
     assert [c["transition"] for c in stage4.calls] == [False, True, False]
     pieces = {r for c in stage4.calls for r in c["ranges"]}
@@ -315,10 +317,10 @@ def test_sized_launches_and_longest_first():
     lens = [40, 200, 1, 100, 70, 1]
     call = packed(lens, cu_seqlens_cpu=torch.tensor([0, *lens]).cumsum(0), output_final_state=True)
     plan, o, final, stage4 = run(call)
-    schedule = schedule_of(plan, call["cu_seqlens_cpu"])
+    schedule = schedule_of(plan, torch.device(D), call["cu_seqlens_cpu"])
     assert isinstance(schedule, OnePass) and schedule.routed and schedule.ordered
     assert schedule.counts.long == 3 and schedule.counts.short == 1      # the two one-token ones decoded
-    assert schedule_of(plan, call["cu_seqlens_cpu"], capturing=lambda: True).counts is None
+    assert schedule_of(plan, torch.device(D), call["cu_seqlens_cpu"], capturing=lambda: True).counts is None
     assert stage4.calls[0]["ordered"]
     ref_o, ref_s = truth(call, lens, [None] * len(lens))
     assert rel_err(o, ref_o) <= TOL and rel_err(final, ref_s) <= TOL

@@ -9,9 +9,10 @@ import kda_opt  # noqa: F401  registers the ops
 from kda_bench.inputs import random_inputs
 from kda_opt import kda_forward
 from kda_opt.forward import RUN_TENSORS, run
-from kda_opt.plan import Pieces, Tuning, make_plan, schedule_of
+from kda_opt.plan import Pieces, Tuning, schedule_of
 from kda_opt.reference import reference_forward
 from tests.conftest import gpu, rel_err
+from tests.stage_inputs import plan_of
 from tests.test_op import DEFAULTS
 
 LENS = [130, 1, 64, 0, 257]   # packed: a tail chunk, one token, one whole chunk, an empty sequence
@@ -25,7 +26,7 @@ CALLS = {
 def tuned(args, tuning=Tuning(block_v=64)):
     """kda_forward's numbers with stage 4's V block fixed, so that calls over different numbers of
     sequences (which kda_opt/plan would give different blocks) compare bit for bit."""
-    return run(make_plan(**args, tuning=tuning), **{n: args.get(n) for n in RUN_TENSORS})
+    return run(plan_of(**args, tuning=tuning), **{n: args.get(n) for n in RUN_TENSORS})
 
 
 def padded_pool(slots, HV, K, V, dtype, v_first, pad=48, seed=5):
@@ -77,7 +78,7 @@ def test_pool_of_one_sequence_cut_into_time_segments():
     o = tuned({**args, "initial_state": one_pass, "initial_state_indices": idx})[0]
     tuning = Tuning(block_v=64, segment_tokens=128)
     pooled = {**args, "initial_state": segmented, "initial_state_indices": idx}
-    assert len(make_plan(**pooled, tuning=tuning).segments) > 1
+    assert len(plan_of(**pooled, tuning=tuning).segments) > 1
     o_seg = tuned(pooled, tuning)[0]
     assert torch.equal(o_seg, o) and torch.equal(segmented, one_pass) and not torch.equal(one_pass, pool)
 
@@ -121,7 +122,7 @@ def test_pool_of_one_slot_through_segments(how, slot):
     pool, _ = padded_pool(1, 2, 128, 128, torch.float32, True)
     before = pool.clone()
     call = {**args, "initial_state": pool, "initial_state_indices": torch.tensor([slot], device="cuda")}
-    plan = make_plan(**call, tuning=SEGMENTED[how])
+    plan = plan_of(**call, tuning=SEGMENTED[how])
     assert (len(plan.segments) > 1) == (how != "one pass") and plan.parallel == (how == "parallel segments")
     o = tuned(call, SEGMENTED[how])[0]
     if slot < 0:
@@ -175,7 +176,7 @@ def test_short_sequences_equal_their_views(call, state, every):
         call_args = {**args, "checkpoints": ck, "checkpoint_every": every}
         if pool is not None:
             call_args["initial_state"] = pool.clone()
-        plan = make_plan(**call_args, tuning=Tuning(block_v=64, short_sequences=short))
+        plan = plan_of(**call_args, tuning=Tuning(block_v=64, short_sequences=short))
         assert plan.short_sequences == short
         o, s = run(plan, **{n: call_args.get(n) for n in RUN_TENSORS})
         results.append((o, s, ck, call_args.get("initial_state")))
@@ -334,7 +335,7 @@ def assert_knob_changes_nothing(knob, args, checkpoint_rows=None):
         call = {**args, "initial_state": args["initial_state"].clone()}
         if checkpoint_rows is not None:
             call["checkpoints"] = torch.full((1, checkpoint_rows + 1, 2, 128, 128), 7.0, device="cuda")
-        plan = make_plan(**call, tuning=Tuning(**{knob: on}))
+        plan = plan_of(**call, tuning=Tuning(**{knob: on}))
         assert getattr(plan, knob) == on
         o, s = run(plan, **{n: call.get(n) for n in RUN_TENSORS})
         results.append((o, s, call["initial_state"], call.get("checkpoints")))
@@ -379,7 +380,7 @@ def test_sized_launches_equal_full_ones(mix, pool):
     args = random_inputs(1, sum(lens), 2, 128, seqlens=lens, seed=17, initial_state=not pool, **CALLS["flashkda"])
     if pool:
         on_a_pool(args, len(lens) + 40, holes=7)
-    assert make_plan(**args).longest_first == (mix != "grid order, no short one")
+    assert plan_of(**args).longest_first == (mix != "grid order, no short one")
     assert_knob_changes_nothing("sized_launches", args)
 
 
@@ -420,9 +421,9 @@ def test_calls_of_one_plan_cut_and_not(first):
     calls = {name: random_inputs(1, sum(lens), 2, 128, seqlens=lens, seed=20, initial_state=True,
                                  **CALLS["flashkda"]) for name, lens in calls.items()}
     for name, call in calls.items():
-        plan = make_plan(**call)
-        assert isinstance(schedule_of(plan, call["cu_seqlens_cpu"]), Pieces) == (name == "cut") and plan.decode
-    alone = {name: run(make_plan(**call), **{n: call.get(n) for n in RUN_TENSORS}) for name, call in calls.items()}
+        plan = plan_of(**call)
+        assert isinstance(schedule_of(plan, call["q"].device, call["cu_seqlens_cpu"]), Pieces) == (name == "cut") and plan.decode
+    alone = {name: run(plan_of(**call), **{n: call.get(n) for n in RUN_TENSORS}) for name, call in calls.items()}
     for name in (first, *(n for n in calls if n != first)):
         o, s = kda_forward(**calls[name])
         assert torch.equal(o, alone[name][0]) and torch.equal(s, alone[name][1]), name
@@ -464,7 +465,7 @@ def test_checkpoints_every_interval_in_time_segments(state_v_first):
     for tokens in (128, Tuning.segment_tokens):
         spaced = torch.full((1, 5, 2, 128, 128), 7.0, device="cuda")
         call = {**args, "checkpoints": spaced, "checkpoint_every": 256}
-        plan = make_plan(**call, tuning=Tuning(block_v=64, segment_tokens=tokens))
+        plan = plan_of(**call, tuning=Tuning(block_v=64, segment_tokens=tokens))
         assert len(plan.segments) == (4 if tokens == 128 else 1)
         run(plan, **{n: call.get(n) for n in RUN_TENSORS})
         assert torch.equal(spaced[0, :4], each[0, [3, 7, 11, 15]]), tokens
