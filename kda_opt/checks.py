@@ -2,7 +2,6 @@
 kda_opt/plan before any kernel runs: each raises TypeError or ValueError (RuntimeError for inputs that
 require grad) naming the argument. check_host_copies reads the host copies' values, on every call
 that passes them."""
-import inspect
 import math
 import numbers
 import operator
@@ -14,16 +13,6 @@ from .wuso import INT32_MAX
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # q, k, v; and the initial state
 SUPPORTED_HEAD_DIMS = (64, 128)  # K and V each; FLA also takes 256, which stage 2's registers cannot hold
-
-
-def arguments_of(function, *args, **kwargs) -> dict:
-    """A call of `function` (kda_forward or kda_decode) on these arguments as the function's locals()
-    holds them: every argument by name, in its signature's order, defaults filled (what
-    kda_opt/plan.make_plan and make_decode_plan take). TypeError for arguments the signature does not
-    take."""
-    call = inspect.signature(function).bind(*args, **kwargs)
-    call.apply_defaults()
-    return call.arguments
 
 
 def rows_readable(x: torch.Tensor) -> bool:

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from . import bound
+from .calls import traced_as
 from .gate import gate_mode, log_decay
 from .intra import L2_EPS
 from .launch import Kernels, triton_launch
@@ -158,6 +159,16 @@ def decode(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial
     return o
 
 
+def _traced(arguments: dict):
+    """kda_decode while torch.compile traces it: one custom op (kda_opt/op)."""
+    a = arguments
+    writes = a["inplace_final_state"] or a["out"] is not None
+    o, final = (torch.ops.kda_opt.decode_in_place if writes else torch.ops.kda_opt.decode)(**a)
+    return (o if a["out"] is None else a["out"],
+            final if a["output_final_state"] else a["initial_state"] if a["inplace_final_state"] else None)
+
+
+@traced_as(_traced)
 def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None, scale: float | None = None,
                initial_state: torch.Tensor | None = None, output_final_state: bool = False,
@@ -220,12 +231,6 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     ``torch.ops.kda_opt.decode``, or ``decode_in_place`` where it writes the pool or ``out``).
     """
     arguments = dict(locals())      # every argument by name, in the order of this signature: their one list
-    if torch.compiler.is_compiling():
-        writes = inplace_final_state or out is not None
-        op = torch.ops.kda_opt.decode_in_place if writes else torch.ops.kda_opt.decode
-        o, final = op(**arguments)
-        return (o if out is None else out,
-                final if output_final_state else initial_state if inplace_final_state else None)
     return call(decode_plan_for(arguments), arguments)
 
 

@@ -29,10 +29,10 @@ import nvtx
 import torch
 
 from . import bound
+from .calls import arguments_of, traced_as
+from .decode import decode
 from .gate import gate_cumsum
 from .intra import intra_chunk
-from .decode import decode
-from .checks import arguments_of
 from .launch import Kernels, annotated, direct, nvtx_enabled, one_allocation
 from .options import CHUNK
 from .plan import OnePass, ParallelSegments, Pieces, Plan, TimeSegments, Tuning, make_plan, plan_for, schedule_of
@@ -42,6 +42,16 @@ from .tables import units
 from .wuso import wuso
 
 
+def _traced(arguments: dict):
+    """kda_forward while torch.compile traces it: one custom op (kda_opt/op), without the host copies
+    (the op validates the call when it runs)."""
+    writes = arguments["initial_state_indices"] is not None or arguments["checkpoints"] is not None
+    op = torch.ops.kda_opt.forward_in_place if writes else torch.ops.kda_opt.forward
+    o, final = op(**{n: x for n, x in arguments.items() if n not in HOST_COPIES})
+    return o, final if arguments["output_final_state"] else None
+
+
+@traced_as(_traced)
 def kda_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -197,7 +207,7 @@ def kda_forward(
     length; with B > 1 each batch entry within 2^31 elements (T·HV·max(K, V), and the inputs' and
     checkpoints' batch strides; past it a ValueError says to pack them). Bad inputs raise ValueError
     or TypeError naming the argument before any kernel runs. No host-device synchronisation.
-    ``kda_opt.plan.make_plan(kda_opt.checks.arguments_of(kda_forward, ...))`` takes the same arguments
+    ``kda_opt.plan.make_plan(kda_opt.calls.arguments_of(kda_forward, ...))`` takes the same arguments
     and returns the call's resolved options and launch choices without running it.
 
     Under torch.compile it is one custom op, ``torch.ops.kda_opt.forward`` (``forward_in_place``,
@@ -206,16 +216,7 @@ def kda_forward(
     read there.
     """
     arguments = dict(locals())      # every argument by name, in the order of this signature: their one list
-    if torch.compiler.is_compiling():
-        writes = initial_state_indices is not None or checkpoints is not None
-        op = torch.ops.kda_opt.forward_in_place if writes else torch.ops.kda_opt.forward
-        for name in HOST_COPIES:        # (the op validates the call when it runs)
-            del arguments[name]
-        o, final = op(**arguments)
-        return o, final if output_final_state else None
     entry = plan_for(arguments)
-    # (No closure or comprehension over `arguments` in this function: a cell variable that locals()
-    # meets above stops torch.compile's tracing.)
     return bound.call(entry, _INPUTS(arguments), functools.partial(_run, entry, arguments), entry.plan.unbindable)
 
 

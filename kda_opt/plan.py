@@ -137,7 +137,7 @@ class Plan(Sizes):
 
 def make_plan(arguments: Mapping[str, Any], tuning: Tuning = Tuning(), sms: int | None = None) -> Plan:
     """kda_forward's arguments, every one by name (kda_forward's locals(), or
-    kda_opt.checks.arguments_of(kda_forward, ...)), checked and resolved into a Plan; kda_forward's docstring says what
+    kda_opt.calls.arguments_of(kda_forward, ...)), checked and resolved into a Plan; kda_forward's docstring says what
     each means. sms: the GPU's SM count, for the launch choices; None reads it from q's device, which
     must then be a CUDA GPU with every tensor on it (the CPU tests pass a count)."""
     a = SimpleNamespace(**arguments)
@@ -425,7 +425,7 @@ class DecodePlan(Sizes):
 
 def make_decode_plan(arguments: Mapping[str, Any], sms: int | None = None) -> DecodePlan:
     """kda_decode's arguments, every one by name (kda_decode's locals(), or
-    kda_opt.checks.arguments_of(kda_decode, ...)), checked and resolved into a
+    kda_opt.calls.arguments_of(kda_decode, ...)), checked and resolved into a
     DecodePlan; kda_decode's docstring says what each means. sms: the GPU's SM count, for the launch
     choices; None reads it from q's device, which must then be a CUDA GPU with every tensor on it (the
     CPU tests pass a count)."""

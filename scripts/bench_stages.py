@@ -22,7 +22,7 @@ from triton.testing import do_bench
 
 from kda_bench.bench import case_from_args, measure_ceilings, parse_args as bench_args
 from kda_opt import kda_forward
-from kda_opt.checks import arguments_of
+from kda_opt.calls import arguments_of
 from kda_opt.forward import RUN_TENSORS, run as run_plan
 from kda_opt.plan import Tuning, make_plan
 from kda_opt.wuso import WORKER_WARPS

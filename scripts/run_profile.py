@@ -64,7 +64,7 @@ def nvtx_cost(inputs):
     runs them), then without (the range around the whole forward follows KDA_OPT_NVTX in both)."""
     from triton.testing import do_bench
     from kda_opt import kda_forward
-    from kda_opt.checks import arguments_of
+    from kda_opt.calls import arguments_of
     from kda_opt.forward import RUN_TENSORS, run
     from kda_opt.launch import annotated, direct
     from kda_opt.plan import make_plan

@@ -7,7 +7,7 @@ import torch
 
 from kda_opt import reference as ref
 from kda_opt import kda_forward
-from kda_opt.checks import arguments_of
+from kda_opt.calls import arguments_of
 from kda_opt.options import L2NORM_EPS
 from kda_opt.plan import Tuning, make_plan
 

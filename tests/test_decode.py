@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from kda_opt.checks import arguments_of
+from kda_opt.calls import arguments_of
 from kda_opt.decode import kda_decode, run
 from kda_opt.plan import DECODE_PROGRAMS, DecodePlan, make_decode_plan
 from kda_opt.reference import ERROR_FLOOR, reference_decode
