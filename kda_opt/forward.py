@@ -222,7 +222,7 @@ def kda_forward(
 
 def _run(entry, arguments: dict):
     """run() of a call's plan entry on its arguments (kda_forward's, by name)."""
-    return run(entry.plan, **{n: arguments[n] for n in RUN_TENSORS}, kernels=entry.kernels)
+    return run(entry.plan, *_RUN_INPUTS(arguments), kernels=entry.kernels)
 
 
 # The host copies, which the custom op does not take (kda_opt/op): it validates the call when it runs.
@@ -296,6 +296,7 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
 
 # run's tensor arguments, by kda_forward's names: run(plan, **{n: arguments.get(n) for n in RUN_TENSORS}).
 RUN_TENSORS = tuple(n for n in inspect.signature(run).parameters if n in PARAMETERS)
+_RUN_INPUTS = operator.itemgetter(*RUN_TENSORS)      # in run's order: its positional arguments
 
 
 def _as_read(plan: Plan, q, k, v, g, beta, initial_state, A_log, dt_bias):

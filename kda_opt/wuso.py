@@ -524,6 +524,17 @@ def launch_config(q, k, v, gcum, Tm, Aqk, scale, block_v, initial_state, o, fina
     return (columns // block_v, num_sequences(B, cu_seqlens) * HV, 1), args
 
 
+_FIELD = {name: i for i, name in enumerate(Arguments._fields)}
+
+
+def _edited(args: Arguments, **changes) -> Arguments:
+    """args with the named fields changed (namedtuple's _replace, for a fraction of its host time)."""
+    values = list(args)
+    for name, x in changes.items():
+        values[_FIELD[name]] = x
+    return Arguments._make(values)
+
+
 def _int32_strides(x):
     """x as cuTile takes an array, whose strides must each fit an int32: a tensor whose leading
     dimension has one entry (B = 1: one sequence, or the packed ones, however long) with that
@@ -601,8 +612,8 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
                 long_count, short_count = sequence_counts.long, sequence_counts.short
                 if order is not None:
                     long_grid = (grid[0], long_count * v.shape[2], 1)
-            launches = tuple((g, a) for g, a, count in ((long_grid, args._replace(SHORT=LONG_ONLY), long_count),
-                                                        (grid, args._replace(ORDERED=False, SHORT=short), short_count))
+            launches = tuple((g, a) for g, a, count in ((long_grid, _edited(args, SHORT=LONG_ONLY), long_count),
+                                                        (grid, _edited(args, ORDERED=False, SHORT=short), short_count))
                              if count)
     for grid, args in launches:
         cutile_launch(grid, _kernel(worker_warps), args)

@@ -9,6 +9,8 @@ transitions from I with v = 0. Stages 1–3, whose outputs the stand-in does not
 other launch (the packed tables, the order, the merge, routed decodes) runs as it is, its Triton kernels
 under the interpreter. What these tests check is what the schedules hand stage 4 and do with its
 results; the stages themselves have their own tests."""
+import inspect
+
 import pytest
 import torch
 
@@ -324,3 +326,9 @@ def test_sized_launches_and_longest_first():
     assert stage4.calls[0]["ordered"]
     ref_o, ref_s = truth(call, lens, [None] * len(lens))
     assert rel_err(o, ref_o) <= TOL and rel_err(final, ref_s) <= TOL
+
+
+def test_run_takes_the_call_tensors_first():
+    """kda_forward hands run its tensors by position (forward._run): RUN_TENSORS are run's parameters
+    right after the plan, in their order."""
+    assert list(inspect.signature(forward.run).parameters)[1:1 + len(forward.RUN_TENSORS)] == list(forward.RUN_TENSORS)

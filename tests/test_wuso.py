@@ -14,8 +14,8 @@ import torch
 import cuda.tile as ct
 from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint, export_kernel
 from kda_opt import reference as ref
-from kda_opt.wuso import (EVERY_SEQUENCE, HEADS, LONG_ONLY, SEVERAL_ONLY, SHORT_ONLY, Arguments, block_v_for,
-                          launch_config, wuso, wuso_kernel)
+from kda_opt.wuso import (EVERY_SEQUENCE, HEADS, LONG_ONLY, SEVERAL_ONLY, SHORT_ONLY, Arguments, _edited,
+                          block_v_for, launch_config, wuso, wuso_kernel)
 from tests.conftest import gpu, rel_err
 from tests.stage_inputs import qk_rstd, stage_inputs
 
@@ -278,6 +278,14 @@ def test_launch_arguments_are_the_kernels_parameters():
     """The launch record's fields are wuso_kernel's parameters, by name and in order (a launch hands
     the record to cuTile as the tuple it is)."""
     assert Arguments._fields == tuple(inspect.signature(wuso_kernel._pyfunc).parameters)
+
+
+def test_an_edited_launch_changes_only_the_fields_it_names():
+    args = Arguments._make(range(len(Arguments._fields)))
+    edited = _edited(args, SHORT="short", ORDERED="no")
+    assert type(edited) is Arguments and edited.SHORT == "short" and edited.ORDERED == "no"
+    assert [x for n, x in zip(Arguments._fields, edited) if n not in ("SHORT", "ORDERED")] == \
+        [x for n, x in zip(Arguments._fields, args) if n not in ("SHORT", "ORDERED")]
 
 
 def test_block_v_fills_one_wave():
