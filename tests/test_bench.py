@@ -42,7 +42,7 @@ def test_benchmark_row_says_what_the_state_costs(monkeypatch):
     monkeypatch.setattr(triton.testing, "do_bench", lambda f, **kw: float(next(times)))
     monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(bench.peers, "flashkda", lambda args: (None, "not here"))
-    monkeypatch.setattr(bench, "kernel_ms", lambda f, name: {bench.STAGE1_KERNEL: 0.25}[name])
+    monkeypatch.setattr(bench, "kernel_ms", lambda f, columns: {"stage1_ms": 0.25, "stages13_ms": 0.75})
     seen = []
     forward = lambda **a: seen.append("initial_state" in a and a["initial_state"] is not None)
     case = bench.Case(1, 64, 2, 64, "safe", -5.0, torch.float32, 0)
@@ -51,19 +51,26 @@ def test_benchmark_row_says_what_the_state_costs(monkeypatch):
     row = bench.benchmark(case, lambda **a: None, 1, 1, (1e12, 1e12), forward)
     assert row["initial_state"] == 1 and row["decay"] == "fast" and True in seen and False in seen
     assert isinstance(row["kda_opt_no_state_ms"], float) and isinstance(row["state_cost_pct"], float)
-    assert row["stage1_ms"] == 0.25
+    assert row["stage1_ms"] == 0.25 and row["stages13_ms"] == 0.75
     seen.clear()
     row = bench.benchmark(bench.Case(1, 64, 2, 64, "safe", -5.0, torch.float32, 0, initial_state=False),
                           lambda **a: None, 1, 1, (1e12, 1e12), forward)
     assert row["initial_state"] == 0 and row["state_cost_pct"] == bench.NOT_RUN and True not in seen
 
 
-def test_stage1_column_names_stage_1s_kernel():
-    """stage1_ms is the time of kernels named as stage 1's (kda_opt/gate); n/a without CUDA."""
-    from kda_opt.gate import gate_cumsum_kernel
-    assert gate_cumsum_kernel.__name__.startswith(bench.STAGE1_KERNEL)
+def test_kernel_columns_name_the_stages_kernels():
+    """stage1_ms is the time of kernels named as stage 1's (kda_opt/gate); stages13_ms of every
+    kernel before stage 4 (gate, intra, seqs), and of no other kernel of the package; n/a without CUDA."""
+    from kda_opt import decode, gate, intra, merge, seqs, wuso
+    kernel = lambda x: hasattr(x, "fn") or hasattr(x, "arg_names")       # a Triton JITFunction
+    names = lambda module: {n for n, x in vars(module).items() if n.endswith("_kernel") and kernel(x)}
+    before, after = names(gate) | names(intra) | names(seqs), names(merge) | names(decode)
+    assert before and after and {"wuso_kernel"} <= set(vars(wuso))
+    assert all(n.startswith(bench.KERNEL_COLUMNS["stage1_ms"]) for n in names(gate))
+    assert all(n.startswith(bench.KERNEL_COLUMNS["stages13_ms"]) for n in before)
+    assert not any(n.startswith(bench.KERNEL_COLUMNS["stages13_ms"]) for n in after | {"wuso_kernel"})
     if not torch.cuda.is_available():
-        assert bench.kernel_ms(lambda: None, bench.STAGE1_KERNEL) == bench.NOT_RUN
+        assert bench.kernel_ms(lambda: None, bench.KERNEL_COLUMNS) == dict.fromkeys(bench.KERNEL_COLUMNS, bench.NOT_RUN)
 
 
 @pytest.mark.parametrize("seqlens", [None, (30, 70)])

@@ -314,14 +314,20 @@ def check_fla(c: Case, fla):
     return ok
 
 
-STAGE1_KERNEL = "gate_cumsum"  # stage 1's kernel (kda_opt/gate), whose time a row reports as stage1_ms
+# A row's columns of kda_opt's time in some of its kernels, each the kernels whose names start with one
+# of the prefixes: stage 1's (kda_opt/gate), and everything before stage 4 (stage 1, stages 2+3 of
+# kda_opt/intra, and kda_opt/seqs' tables and order of packed sequences).
+STAGE1_KERNELS = ("gate_cumsum",)
+KERNEL_COLUMNS = {"stage1_ms": STAGE1_KERNELS,
+                  "stages13_ms": STAGE1_KERNELS + ("intra_chunk", "chunk_offsets", "chunk_indices", "longest_first")}
 
 
-def kernel_ms(f, name, calls=3):
-    """GPU ms per call of f spent in the kernels whose names start with `name` (0.0 where none runs),
-    from torch.profiler over `calls` calls after one; NOT_RUN without CUDA."""
+def kernel_ms(f, columns: dict, calls=3) -> dict:
+    """{column: GPU ms per call of f spent in the kernels whose names start with one of its prefixes}
+    (0.0 where none runs), from one torch.profiler run over `calls` calls after one; NOT_RUN without
+    CUDA."""
     if not torch.cuda.is_available():
-        return NOT_RUN
+        return dict.fromkeys(columns, NOT_RUN)
     from torch.profiler import ProfilerActivity, profile
     f()
     torch.cuda.synchronize()
@@ -329,7 +335,9 @@ def kernel_ms(f, name, calls=3):
         for _ in range(calls):
             f()
         torch.cuda.synchronize()
-    return sum(e.device_time_total for e in p.key_averages() if e.key.startswith(name)) / calls / 1e3
+    events = p.key_averages()
+    return {column: sum(e.device_time_total for e in events if e.key.startswith(prefixes)) / calls / 1e3
+            for column, prefixes in columns.items()}
 
 
 CHECKPOINT_EVERY = 512  # tokens between the checkpoints FlashKDA's-configuration rows also time (8 chunks)
@@ -363,7 +371,8 @@ def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
             runs["kda_opt_ckpt_every"] = lambda: kda_forward(**every)
     flashkda = "flashkda" in runs
     ms = medians_in_turns(runs, warmup, rep)
-    stage1 = kernel_ms(runs["kda_opt"], STAGE1_KERNEL)
+    stages = kernel_ms(runs["kda_opt"], KERNEL_COLUMNS)
+    stage1 = stages["stage1_ms"]
     ours_ms = ms["kda_opt"]
     bw, rate = ceilings
     nbytes, flops = min_bytes(c), min_flops(c)
@@ -375,7 +384,7 @@ def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
                kda_opt_ckpt_ms=ms.get("kda_opt_ckpt", NOT_RUN), ckpt_cost_pct=cost("kda_opt", "kda_opt_ckpt"),
                kda_opt_ckpt_every_ms=ms.get("kda_opt_ckpt_every", NOT_RUN),
                ckpt_every_cost_pct=cost("kda_opt", "kda_opt_ckpt_every"),
-               stage1_ms=stage1, flashkda_ms=ms.get("flashkda", NOT_RUN),
+               **stages, flashkda_ms=ms.get("flashkda", NOT_RUN),
                speedup_vs_flashkda=ms["flashkda"] / ours_ms if flashkda else NOT_RUN,
                tbps=nbytes / (ours_ms * 1e-3) / 1e12, tflops=flops / (ours_ms * 1e-3) / 1e12,
                bytes_floor_pct=100 * nbytes / bw / (ours_ms * 1e-3),
@@ -397,7 +406,7 @@ def benchmark(c: Case, fla, warmup, rep, ceilings, kda_forward=None):
         state = (f" (pool {row['pool_cost_pct']:+.1f} % over the dense call {ms['kda_opt_dense']:.3f} ms; checkpoints "
                  f"{ms['kda_opt_ckpt']:.3f} ms, {row['ckpt_cost_pct']:+.1f} %)")
     if stage1 != NOT_RUN:
-        state += f" (stage 1 {stage1:.3f} ms)"
+        state += f" (stage 1 {stage1:.3f} ms, stages 1–3 {stages['stages13_ms']:.3f})"
     echo(f"  {c.label}: FLA {ms['fla']:.3f} ms  kda_opt {ours_ms:.3f} ms{state}  speedup {row['speedup']:.2f}×  "
          f"{peer}  {row['tbps']:.2f} TB/s ({row['bytes_floor_pct']:.0f}% of bytes floor)  "
          f"{row['tflops']:.0f} TFLOP/s ({row['flops_floor_pct']:.0f}% of FLOP floor)")
@@ -432,7 +441,8 @@ def cudnn_peers(c: Case, args, kda_forward):
 # initial_state: 1 where every system got one; decay: inputs.DECAYS; dtype: q, k and v's (DTYPES: every
 # system got the same tensors; FLA computes fp32 in its own precision); kda_opt_no_state_ms /
 # state_cost_pct: kda_forward without the state, and what the state costs it (NOT_RUN without one);
-# stage1_ms: of kda_opt_ms, stage 1's pass (STAGE1_KERNEL; 0 where the call has none);
+# stage1_ms: of kda_opt_ms, stage 1's pass (0 where the call has none); stages13_ms: of kda_opt_ms,
+# everything before stage 4 (KERNEL_COLUMNS);
 # flashkda_ms / speedup_vs_flashkda: NOT_RUN where FlashKDA cannot compute the case; fla_flash_kda:
 # FLA_FLASH_KDA as FLA saw it ("0": FLA on its own Triton path). Serving-step rows (config serving,
 # kda_bench/serving): fla_ms and flashkda_ms gather, call and scatter; kda_opt_ms reads and writes the
@@ -444,7 +454,8 @@ def cudnn_peers(c: Case, args, kda_forward):
 # its time, and o's error against the float64 recurrence on the case's first naive_T tokens, beside
 # kda_opt's on the same tokens (kda_opt_err).
 CSV_FIELDS = ["B", "T", "H", "K", "V", "mode", "varlen", "config", "initial_state", "decay", "dtype", "fla_ms",
-              "kda_opt_ms", "speedup", "kda_opt_no_state_ms", "state_cost_pct", "stage1_ms", "flashkda_ms",
+              "kda_opt_ms", "speedup", "kda_opt_no_state_ms", "state_cost_pct", "stage1_ms", "stages13_ms",
+              "flashkda_ms",
               "speedup_vs_flashkda", "tbps", "tflops", "bytes_floor_pct", "flops_floor_pct", "fla_flash_kda",
               "kda_opt_dense_ms", "pool_cost_pct", "kda_opt_ckpt_ms", "ckpt_cost_pct", "kda_opt_ckpt_every_ms",
               "ckpt_every_cost_pct", "kda_opt_err"] + [f"{name}_{x}" for name in CUDNN_COLUMNS for x in ("ms", "err")]
@@ -453,7 +464,7 @@ ROW_KEY = ("B", "T", "H", "K", "mode", "varlen", "config", "initial_state", "dec
 # configuration, no initial state, A_log and dt_bias ~ 0.5·N(0, 1), FlashKDA not timed, FLA on its
 # Triton path (the CLI has set FLA_FLASH_KDA=0 since its first version), bf16 q, k and v.
 ROW_DEFAULTS = {"varlen": 0, "config": "default", "initial_state": 0, "decay": "0.5N(0,1)", "dtype": "bf16",
-                "kda_opt_no_state_ms": NOT_RUN, "state_cost_pct": NOT_RUN, "stage1_ms": NOT_RUN,
+                "kda_opt_no_state_ms": NOT_RUN, "state_cost_pct": NOT_RUN, "stage1_ms": NOT_RUN, "stages13_ms": NOT_RUN,
                 "flashkda_ms": NOT_RUN, "speedup_vs_flashkda": NOT_RUN, "fla_flash_kda": "0",
                 "kda_opt_dense_ms": NOT_RUN, "pool_cost_pct": NOT_RUN, "kda_opt_ckpt_ms": NOT_RUN, "ckpt_cost_pct": NOT_RUN,
                 "kda_opt_ckpt_every_ms": NOT_RUN, "ckpt_every_cost_pct": NOT_RUN, "kda_opt_err": NOT_RUN,
