@@ -246,7 +246,8 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
     and the stages' launches sized where plan.sized_launches says."""
     ranges = nvtx_enabled()
     launch = launch or (annotated if ranges else direct)
-    schedule = schedule_of(plan, q.device, cu_seqlens_cpu, lambda: q.is_cuda and torch.cuda.is_current_stream_capturing())
+    schedule = schedule_of(plan, q.device, cu_seqlens_cpu,
+                           lambda: q.is_cuda and torch.cuda.is_current_stream_capturing())
     q, k, v, g, beta, initial_state, A_log, dt_bias = _as_read(plan, q, k, v, g, beta, initial_state, A_log, dt_bias)
     cu_seqlens = cu_seqlens if plan.packed else None        # one sequence over [0, T]: the B = 1 call
     prepare = functools.partial(_stages_1_to_3, plan, launch, kernels, A_log=A_log, dt_bias=dt_bias)
@@ -343,7 +344,8 @@ class Prepared:
                                    A_log=A_log, dt_bias=dt_bias)
 
     def ends(self, initial_state=None):
-        plan = make_plan({**self.call, "initial_state": initial_state, "output_final_state": True}, tuning=self.TUNING)
+        plan = make_plan({**self.call, "initial_state": initial_state, "output_final_state": True},
+                         tuning=self.TUNING)
         return run(plan, *self.inputs, initial_state, cu_seqlens=self.cu_seqlens,
                    cu_seqlens_cpu=self.call["cu_seqlens_cpu"], made=self.made)
 

@@ -1,8 +1,8 @@
 """The schedules of a call too long for one pass, as kda_opt/forward runs them: each takes the
-plan (its sizes and layouts), what kda_opt/plan.schedule_of resolved for the call (its token ranges, or
-the device tables of its segments or pieces, kda_opt/tables, and the pieces' V block), the inputs, stage 4's state arguments of the whole call (`state`),
-stages 1–3 as one function (`prepare`) and stage 4's launcher (`stage4`), and returns o. Nothing here
-chooses a schedule.
+plan (its sizes and layouts), what kda_opt/plan.schedule_of resolved for the call (its token ranges,
+or the device tables of its segments or pieces, kda_opt/tables, and the pieces' V block), the
+inputs, stage 4's state arguments of the whole call (`state`), stages 1–3 as one function
+(`prepare`) and stage 4's launcher (`stage4`), and returns o. Nothing here chooses a schedule.
 
 Time segments (kda_opt/plan decides them): stages 1–3 of segment s + 1 run on a second stream while
 stage 4 runs segment s on the SMs it leaves idle, and each segment's final state (fp32, as stage 4
