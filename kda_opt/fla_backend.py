@@ -18,8 +18,8 @@ import importlib
 import torch
 
 from . import decode, forward, plan
-from .options import CHUNK
 from .checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, batch_entry_extent
+from .options import CHUNK
 from .plan import decode_checks
 from .seqs import sequence_counts
 from .wuso import INT32_MAX

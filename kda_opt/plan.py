@@ -137,9 +137,10 @@ class Plan(Sizes):
 
 def make_plan(arguments: Mapping[str, Any], tuning: Tuning = Tuning(), sms: int | None = None) -> Plan:
     """kda_forward's arguments, every one by name (kda_forward's locals(), or
-    kda_opt.calls.arguments_of(kda_forward, ...)), checked and resolved into a Plan; kda_forward's docstring says what
-    each means. sms: the GPU's SM count, for the launch choices; None reads it from q's device, which
-    must then be a CUDA GPU with every tensor on it (the CPU tests pass a count)."""
+    kda_opt.calls.arguments_of(kda_forward, ...)), checked and resolved into a Plan; kda_forward's
+    docstring says what each means. sms: the GPU's SM count, for the launch choices; None reads it
+    from q's device, which must then be a CUDA GPU with every tensor on it (the CPU tests pass a
+    count)."""
     a = SimpleNamespace(**arguments)
     state_v_first = a.state_v_first
     if a.transpose_state_layout is not None:

@@ -24,11 +24,11 @@ import os
 import torch
 
 from . import plan
+from .checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
 from .decode import kda_decode
 from .fla_backend import _on_hopper, first_rows, intermediate_states, sequence_rows, spare_rows
 from .forward import kda_forward
 from .options import CHUNK
-from .checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
 
 SWITCH = "SGLANG_KDA_OPT"          # 1: SGLang's Triton KDA kernel is replaced by kda_opt's
 TARGET = "sglang.srt.layers.attention.linear.kernels.kda_triton.TritonKDAKernel"
