@@ -5,7 +5,8 @@ consecutive segments are
     S_0 = h_0,    S_j = M_{j−1} S_{j−1} + h_j        (j = 1 .. n − 1)
 
 per value head, in fp32: one Triton launch, each (chain, V block) program carrying its S through the
-n − 1 products, each product three tf32 ones (about fp32's precision).
+n − 1 products, each product three tf32 ones (about fp32's precision). M does not depend on the chain:
+its loads run ahead of the products, two steps ahead where the programs fit one an SM.
 """
 import torch
 import triton
@@ -14,26 +15,29 @@ import triton.language as tl
 from .launch import triton_launch
 
 
-def merge(h: torch.Tensor, M: torch.Tensor, v_first: bool = False) -> torch.Tensor:
+def merge(h: torch.Tensor, M: torch.Tensor, v_first: bool = False, sms: int | None = None) -> torch.Tensor:
     """The states after each of n consecutive segments, [n, …, HV, K, V] fp32 ([…, V, K] v_first): from
     h [n, …] (each segment's final state from zero; the first's from the true start) and M [n − 1, …,
     HV, K, K] (the transitions of segments 1 .. n − 1), S_0 = h_0, S_j = M_{j−1} S_{j−1} + h_j: one
     launch (merge_kernel), each (chain, V block) program carrying its S through the n − 1 products in
-    fp32 (each product three tf32 ones, about fp32's precision)."""
+    fp32 (each product three tf32 ones, about fp32's precision). sms: the GPU's SM count; where the
+    programs number no more, M's loads run two steps ahead (MERGE_STAGES_SPREAD), else one (None: one)."""
     K = M.shape[-1]
     V = h.shape[-2] if v_first else h.shape[-1]
     chains = h[0].numel() // (K * V)
     h, M = h.float().contiguous(), M.float().contiguous()
     out = torch.empty_like(h)
     block = min(V, MERGE_BLOCK_V)
+    spread = sms is not None and chains * (V // block) <= sms
     triton_launch(merge_kernel, (chains, V // block), None, h, M, out, h.shape[0], K, V, block, chains, v_first,
-                  num_warps=MERGE_WARPS, num_stages=MERGE_STAGES)
+                  num_warps=MERGE_WARPS, num_stages=MERGE_STAGES_SPREAD if spread else MERGE_STAGES)
     return out
 
 
 # merge_kernel's launch: V columns per program, warps, and M's loads two stages deep (the next
-# transition's quarters copied to shared memory while this one's products run).
-MERGE_BLOCK_V, MERGE_WARPS, MERGE_STAGES = 8, 4, 2
+# transition's quarters copied to shared memory while this one's products run: two programs an SM),
+# or three where every program has an SM of its own (one an SM: its shared memory allows no more).
+MERGE_BLOCK_V, MERGE_WARPS, MERGE_STAGES, MERGE_STAGES_SPREAD = 8, 4, 2, 3
 
 
 @triton.jit(do_not_specialize=["n"])

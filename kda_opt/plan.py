@@ -122,6 +122,7 @@ class Plan(Sizes):
     sized_launches: bool          # packed, one pass, host lengths given: the stages' grids sized from them
     intra_warps: int
     worker_warps: int
+    sms: int                      # the GPU's SM count the launches are chosen for
     decode: "DecodePlan | None"   # packed: its sequences of one token through kda_opt/decode, stage 4 skipping them
 
     @property
@@ -215,7 +216,7 @@ def make_plan(arguments: Mapping[str, Any], tuning: Tuning = Tuning(), sms: int 
         # kind and its ordered long launch over the long sequences only: a program that would end at
         # once still costs its launch (stage 4's: one CTA per SM at a time).
         sized_launches=packed_one_pass and short_sequences and tuning.sized_launches and a.cu_seqlens_cpu is not None,
-        intra_warps=tuning.intra_warps or warps_for(q.dtype), worker_warps=tuning.worker_warps,
+        intra_warps=tuning.intra_warps or warps_for(q.dtype), worker_warps=tuning.worker_warps, sms=sms,
         decode=_routed_decodes(Sizes(B, T, H, K, HV, V, N), scale, a.use_qk_l2norm_in_kernel, a.use_gate_in_kernel,
                                a.lower_bound, a.use_beta_sigmoid_in_kernel, a.allow_neg_eigval, state_v_first,
                                a.initial_state, pool, a.output_final_state, sms)

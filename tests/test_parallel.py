@@ -54,13 +54,15 @@ def test_parallel_segments_equal_one_pass(call):
     assert_parallel_equals_one_pass(args)
 
 
-MERGE_LAUNCH = dict(num_warps=merge.MERGE_WARPS, num_stages=merge.MERGE_STAGES)
 SM90_SPECIALISATIONS = {
-    f"merge, K={K}, V={V}, {'V' if v_first else 'K'}-first": (
+    f"merge, K={K}, V={V}, {'V' if v_first else 'K'}-first, {stages} stages": (
         "merge_kernel", dict(h="*fp32", M="*fp32", out="*fp32", n="i32"),
-        dict(K=K, V=V, BV=merge.MERGE_BLOCK_V, CHAINS=16, V_FIRST=v_first), MERGE_LAUNCH)
+        dict(K=K, V=V, BV=merge.MERGE_BLOCK_V, CHAINS=16, V_FIRST=v_first),
+        dict(num_warps=merge.MERGE_WARPS, num_stages=stages))
     for K, V, v_first in ((128, 128, False), (128, 128, True), (128, 64, True), (64, 128, False))
+    for stages in (merge.MERGE_STAGES, merge.MERGE_STAGES_SPREAD)
 }
+SM90_SHARED = 232448          # bytes of shared memory one program may take on sm_90
 
 
 # Compiles one specialisation (argv: kernel, signature, constants, options as JSON) and writes its cubin
@@ -74,14 +76,16 @@ from triton.compiler import ASTSource
 from kda_opt import merge
 kernel, signature, constants, options = json.loads(sys.argv[1])
 source = ASTSource(getattr(merge, kernel), {**signature, **{n: "constexpr" for n in constants}}, constexprs=constants)
-sys.stdout.buffer.write(triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"])
+compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+print(json.dumps(dict(cubin=compiled.asm["cubin"].hex(), shared=compiled.metadata.shared)))
 """
 
 
 @pytest.mark.parametrize("name", list(SM90_SPECIALISATIONS))
 def test_merge_compiles_for_sm90_without_spills(name):
-    """The merge kernel as launched, compiled for sm_90 here (Triton's own ptxas; no GPU needed): no
-    stack frame (its "ieee" products, or its whole [K, K] tiles, spilled kilobytes a thread)."""
+    """The merge kernel as launched, at both its stage counts, compiled for sm_90 here (Triton's own
+    ptxas; no GPU needed): no stack frame (its "ieee" products, or its whole [K, K] tiles, spilled
+    kilobytes a thread), and the shared memory of its deeper pipeline within what a program may take."""
     import json
     import os
     import subprocess
@@ -90,10 +94,21 @@ def test_merge_compiles_for_sm90_without_spills(name):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {n: x for n, x in os.environ.items() if n != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
-    cubin = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(SM90_SPECIALISATIONS[name])], env=env,
-                           capture_output=True, check=True).stdout
-    registers, stack = resources(cubin)
-    assert stack == 0 and registers <= 255, (registers, stack)
+    compiled = json.loads(subprocess.run([sys.executable, "-c", COMPILE, json.dumps(SM90_SPECIALISATIONS[name])],
+                                         env=env, capture_output=True, check=True).stdout)
+    registers, stack = resources(bytes.fromhex(compiled["cubin"]))
+    assert stack == 0 and registers <= 255 and compiled["shared"] <= SM90_SHARED, (registers, stack, compiled["shared"])
+
+
+@pytest.mark.parametrize("chains, sms, stages", [(16, 128, merge.MERGE_STAGES_SPREAD), (17, 128, merge.MERGE_STAGES),
+                                                 (16, None, merge.MERGE_STAGES)])
+def test_merge_loads_run_further_ahead_where_each_program_has_an_sm(monkeypatch, chains, sms, stages):
+    """merge's launch: M's loads three stages deep where its (chain, V block) programs number no more
+    than the SMs, else two (two programs an SM fit only at two)."""
+    launched = {}
+    monkeypatch.setattr(merge, "triton_launch", lambda *a, num_stages, **k: launched.setdefault("stages", num_stages))
+    merge.merge(torch.zeros(2, chains, 64, 64), torch.zeros(1, chains, 64, 64), sms=sms)
+    assert launched["stages"] == stages
 
 
 @gpu
