@@ -64,7 +64,7 @@ def parallel(plan, t: SegmentTables, q, k, v, g, beta, state, checkpoints, prepa
            cu_seqlens=t.middle_bounds, transition=True, state_v_first=False, **common)
     final, pool = state["final_state"], state["write_slots"]
     last_slots = _beside(state["slots"], t.no_slots, first=False) if pool else None
-    starts = merge(h, M, plan.state_v_first, plan.sms)
+    starts = merge(h, M, plan.state_v_first, sms=plan.sms)
     # Pass 2: segments 1 .. S − 1 from their true starts; the last writes the call's final state.
     ends = None if final is None or pool else torch.empty_like(starts)
     stage4(q, k, v, gcum, Tm, Aqk, initial_state=starts, final_state=final if pool else ends, write_slots=pool,
@@ -134,7 +134,7 @@ def parallel_packed(plan, t: PieceTables, block_v, q, k, v, g, beta, seqs, state
            state_v_first=False, block_v=math.gcd(block_v, plan.K), **common)
     # A cut sequence's piece j + 1 starts where piece j ends, M_j S_j + h_j, and its first piece ends
     # at h_0 (grid: [pieces, cut sequences], padded with the spare row).
-    ends = merge(h[t.grid], M[t.grid[1:]], plan.state_v_first, plan.sms)
+    ends = merge(h[t.grid], M[t.grid[1:]], plan.state_v_first, sms=plan.sms)
     starts.index_copy_(0, t.grid[1:].flatten(), ends[:-1].flatten(0, 1))
     # Pass 3: every piece from the first that is not a cut sequence's first, from its true start: o,
     # checkpoints, and by each last piece its sequence's final state (a dense state's row n, or its
