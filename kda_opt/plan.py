@@ -72,9 +72,8 @@ class Tuning:
 @dataclass(frozen=True)
 class ParallelCut:
     """Packed sequences with their host copy (cu_seqlens_cpu): each call cuts those longer than its
-    longest one's parallel segment into such segments (cut_sequences), where the longest has at least
-    `longest` tokens and at least `share` of the call's."""
-    sms: int
+    longest one's parallel segment (on the plan's SMs) into such segments (cut_sequences), where the
+    longest has at least `longest` tokens and at least `share` of the call's."""
     min_tokens: int                 # Tuning.parallel_tokens
     align: int                      # segments are whole multiples of it (chunks, or checkpoint intervals)
     longest: int
@@ -183,7 +182,7 @@ def make_plan(arguments: Mapping[str, Any], tuning: Tuning = Tuning(), sms: int 
     cut = None
     if packed and a.cu_seqlens_cpu is not None and a.checkpoint_offsets is None and (
             tuning.parallel or tuning.parallel is None and _parallel_pays(T, HV, V)):
-        cut = ParallelCut(sms, tuning.parallel_tokens, align, 0 if tuning.parallel else CUT_FROM,
+        cut = ParallelCut(tuning.parallel_tokens, align, 0 if tuning.parallel else CUT_FROM,
                           0 if tuning.parallel else LONGEST_SHARE, tuning.block_v)
     block_v = tuning.block_v or block_v_for((len(parallel) - 1 if parallel else N) * HV, math.gcd(V, K) if parallel
                                             else V, sms, q.dtype)
@@ -222,6 +221,7 @@ def make_plan(arguments: Mapping[str, Any], tuning: Tuning = Tuning(), sms: int 
                                a.initial_state, pool, a.output_final_state, sms)
         if packed and tuning.route_decodes and tuning.short_sequences and a.checkpoints is None else None,
     )
+
 
 # Signatures planned (plan_for), oldest first; the oldest is dropped past PLAN_CACHE_SIZE.
 PLAN_CACHE_SIZE = 256
@@ -302,14 +302,15 @@ def parallel_segments(T: int, N: int, HV: int, sms: int, is_packed: bool, min_to
     return segments if len(segments) >= 3 else None
 
 
-def cut_sequences(cu_seqlens: list[int], HV: int, cut: ParallelCut) -> tuple[tuple[int, int, int], ...] | None:
+def cut_sequences(cu_seqlens: list[int], HV: int, cut: ParallelCut,
+                  sms: int) -> tuple[tuple[int, int, int], ...] | None:
     """Pieces (n, t0, t1) of packed sequences (bounds cu_seqlens, on the host), every sequence's rows
-    in order: each longer than the longest's parallel segment (parallel_segments of it alone) cut into
-    segments of that length, the others whole (an empty one an empty piece); None where the longest
-    has fewer than cut.longest tokens or cut.share of them, or would not be cut in three."""
+    in order: each longer than the longest's parallel segment (parallel_segments of it alone on `sms`
+    SMs) cut into segments of that length, the others whole (an empty one an empty piece); None where
+    the longest has fewer than cut.longest tokens or cut.share of them, or would not be cut in three."""
     lengths = [t1 - t0 for t0, t1 in zip(cu_seqlens, cu_seqlens[1:])]
     longest = max(lengths, default=0)
-    alone = parallel_segments(longest, 1, HV, cut.sms, False, cut.min_tokens, cut.align)
+    alone = parallel_segments(longest, 1, HV, sms, False, cut.min_tokens, cut.align)
     if longest < cut.longest or longest < cut.share * sum(lengths) or alone is None:
         return None
     step = alone[0][1]
@@ -358,10 +359,10 @@ def schedule_of(plan: "Plan", device: torch.device, cu_seqlens_cpu=None, capturi
         return TimeSegments(plan.segments)
     cut = plan.parallel_cut
     if cut is not None and cu_seqlens_cpu is not None:
-        pieces = cut_sequences(cu_seqlens_cpu.tolist(), plan.HV, cut)
+        pieces = cut_sequences(cu_seqlens_cpu.tolist(), plan.HV, cut, plan.sms)
         if pieces is not None:
             return Pieces(pieces, cut.block_v or block_v_for(len(pieces) * plan.HV, math.gcd(plan.V, plan.K),
-                                                             cut.sms, plan.dtype),
+                                                             plan.sms, plan.dtype),
                           piece_tables(device, pieces, plan.N, plan.checkpoint_every, plan.HV, plan.K))
     routed = plan.decode is not None
     sized = plan.sized_launches and not capturing()
@@ -460,6 +461,7 @@ def make_decode_plan(arguments: Mapping[str, Any], sms: int | None = None) -> De
         output_final_state=a.output_final_state, columns=columns,
         slots=0 if indices is None else initial_state.shape[0], pad_slot=a.pad_slot, single=False,
         state_itemsize=4 if initial_state is None or a.output_final_state else initial_state.element_size())
+
 
 def _routed_decodes(sizes: Sizes, scale, l2norm, gate_in_kernel, lower_bound, beta_sigmoid, neg_eigval, v_first,
                     initial_state, pool, output_final_state, sms) -> "DecodePlan":

@@ -219,7 +219,8 @@ def test_packed_long_sequences_cut_equal_one_pass(call):
     args = slow(random_inputs(1, sum(PACKED_LENGTHS), 2, 128, seed=58, seqlens=PACKED_LENGTHS, **CALLS[call]))
     plan = plan_of(**args, tuning=PARALLEL)
     assert plan.packed and not plan.parallel and plan.parallel_cut is not None
-    assert [n for n, _, _ in cut_sequences(args["cu_seqlens_cpu"].tolist(), plan.HV, plan.parallel_cut)] == \
+    pieces = cut_sequences(args["cu_seqlens_cpu"].tolist(), plan.HV, plan.parallel_cut, plan.sms)
+    assert [n for n, _, _ in pieces] == \
         [0] + [1] * 6 + [2, 3] + [4] * 4 + [5]
     assert_parallel_equals_one_pass(args)
 

@@ -396,11 +396,11 @@ def test_packed_calls_cut_where_the_longest_dominates():
     at H = 12: one 32768-token chunk beside 16 short requests is cut (2.8 -> 1.4 ms), one 8192-token
     chunk beside 32 is not (slower cut), nor a mix whose longest holds under half the tokens."""
     from kda_opt.plan import CUT_FROM, LONGEST_SHARE
-    cut = ParallelCut(132, Tuning().parallel_tokens, 64, CUT_FROM, LONGEST_SHARE, None)
+    cut = ParallelCut(Tuning().parallel_tokens, 64, CUT_FROM, LONGEST_SHARE, None)
     bounds = lambda lengths: list(itertools.accumulate(lengths, initial=0))
-    assert cut_sequences(bounds([32768] + [28] * 16), 12, cut) is not None
-    assert cut_sequences(bounds([8192] + [27] * 32), 12, cut) is None
-    assert cut_sequences(bounds([32768, 20000, 20000]), 12, cut) is None
+    assert cut_sequences(bounds([32768] + [28] * 16), 12, cut, 132) is not None
+    assert cut_sequences(bounds([8192] + [27] * 32), 12, cut, 132) is None
+    assert cut_sequences(bounds([32768, 20000, 20000]), 12, cut, 132) is None
 
 
 def test_cut_sequences():
@@ -408,17 +408,17 @@ def test_cut_sequences():
     parallel segment into segments of its length, the others whole, every sequence's rows in order;
     none where the longest is under the plan's bounds (its tokens, its share of the call's) or gives
     fewer than three segments."""
-    cut = ParallelCut(sms=132, min_tokens=2048, align=64, longest=65536, share=0.5, block_v=None)
+    cut = ParallelCut(min_tokens=2048, align=64, longest=65536, share=0.5, block_v=None)
     step = parallel_segments(131072, 1, 8, 132, False, 2048)[0][1]
     assert step == 7744                           # 17 segments: a pass runs 16 · 8 programs
-    pieces = cut_sequences([0, 100, 131172, 131172, 141172], 8, cut)
+    pieces = cut_sequences([0, 100, 131172, 131172, 141172], 8, cut, 132)
     assert pieces == ((0, 0, 100),) + tuple((1, t, min(t + step, 131172)) for t in range(100, 131172, step)) + \
         ((2, 131172, 131172), (3, 131172, 131172 + step), (3, 131172 + step, 141172))
-    assert cut_sequences([0, 60000, 70000], 8, cut) is None                        # the longest under 65536
-    assert cut_sequences([0, 70000, 140000, 140001], 8, cut) is None               # nor half the tokens
-    assert cut_sequences([0, 70000, 140000], 8, cut) is not None                   # (half is enough)
-    assert cut_sequences([0, 5000, 70000], 67, ParallelCut(132, 2048, 64, 0, 0, None)) is None  # one fills the SMs
-    with_ck = cut_sequences([0, 1000, 2000], 2, ParallelCut(132, 128, 256, 0, 0, None))
+    assert cut_sequences([0, 60000, 70000], 8, cut, 132) is None                        # the longest under 65536
+    assert cut_sequences([0, 70000, 140000, 140001], 8, cut, 132) is None               # nor half the tokens
+    assert cut_sequences([0, 70000, 140000], 8, cut, 132) is not None                   # (half is enough)
+    assert cut_sequences([0, 5000, 70000], 67, ParallelCut(2048, 64, 0, 0, None), 132) is None  # one fills the SMs
+    with_ck = cut_sequences([0, 1000, 2000], 2, ParallelCut(128, 256, 0, 0, None), 132)
     assert with_ck == ((0, 0, 256), (0, 256, 512), (0, 512, 768), (0, 768, 1000), (1, 1000, 1256), (1, 1256, 1512),
                        (1, 1512, 1768), (1, 1768, 2000))
 
