@@ -12,8 +12,9 @@ cross ranks.
        the last sequence's state at the slice's end h_r; where one sequence spans the slice, its
        transition M_r (kda_opt/forward.Prepared)
     2. all_gather of h and M over the group (fp32: HV·K·(V + K) numbers per rank)
-    3. a continued sequence's start, from the rank a where it begins: merge(h_a .. h_{r−1},
-       M_{a+1} .. M_{r−1}) (kda_opt/merge, fp32), and the pass again from it
+    3. a continued sequence's start, from the rank a where it begins: the merge of h_a .. h_{r−1}
+       and M_{a+1} .. M_{r−1} (the engine's: kda_opt/merge in fp32, or float64), and the pass again
+       from it
 A sequence's final state is returned by the rank where it ends. With one sequence, stage 4 runs over
 a slice once on rank 0 and on the last rank, three times on the others, and the last rank's stages
 1–3 run while rank 0 computes h_0, so two ranks take about rank 0's call plus the last rank's stage 4.
@@ -33,10 +34,14 @@ from .options import state_shape
 class Engine:
     """How a rank computes on its slice: prepare(kda_forward's arguments) runs what does not depend
     on the start and returns an object whose ends(initial_state) gives (o, final state) and whose
-    transition() gives the slice's transition. This one is kda_opt's (forward.Prepared), on the GPU."""
+    transition() gives the slice's transition; merge(h, M, v_first) chains the ranks' states as
+    kda_opt/merge's merge does. This one is kda_opt's (forward.Prepared, the merge kernel), on the GPU."""
 
     def prepare(self, args):
         return forward.Prepared(**args)
+
+    def merge(self, h, M, v_first):
+        return merge(h, M, v_first)
 
     def forward(self, args, initial_state):
         """The whole call on one device, as a user makes it: (o, final state)."""
@@ -46,10 +51,14 @@ class Engine:
 class ReferenceEngine(Engine):
     """Each slice by the float64 recurrence (kda_opt/reference), on any device, the CPU too: its (o,
     final state) from a start, its transition as the final state of v = 0 over K state columns from
-    I. For checking a setup (the collective, the split) where kda_opt's kernels cannot run."""
+    I; its merge the same chain in float64. For checking a setup (the collective, the split) where
+    kda_opt's kernels cannot run: any head dim, no kernel launched."""
 
     def prepare(self, args):
         return _ReferenceSlice(args)
+
+    def merge(self, h, M, v_first):
+        return reference.merge(h, M, v_first)
 
     def forward(self, args, initial_state):
         return _ReferenceSlice(args).ends(initial_state)
@@ -119,7 +128,7 @@ def kda_forward_cp(q, k, v, g, beta, scale=None, initial_state=None, output_fina
     hs = [x[:h.numel()].view(h.shape) for x in gathered]
     Ms = [x[h.numel():].view(M.shape) for x in gathered]
     if part.continued:
-        start = merge(torch.cat(hs[part.origin:rank]), torch.cat(Ms[part.origin:rank])[1:], v_first)[-1:]
+        start = engine.merge(torch.cat(hs[part.origin:rank]), torch.cat(Ms[part.origin:rank])[1:], v_first)[-1:]
         o, ends = here.ends(states(start))
     if not output_final_state:
         return o, None

@@ -172,6 +172,16 @@ def chunked_kda(q, k, v, a, beta, scale=None, initial_state=None, chunk_size=64)
     return state_pass(q, k, W, U, Aqk, gamma, scale, initial_state, chunk_size)
 
 
+def merge(h, M, v_first=False):
+    """The states after n consecutive segments (kda_opt/merge's chain), S_0 = h_0, S_j = M_{j−1} S_{j−1}
+    + h_j: h [n, …, HV, K, V] ([…, V, K] v_first), M [n − 1, …, HV, K, K]."""
+    kv = (lambda S: S.transpose(-1, -2)) if v_first else (lambda S: S)
+    states = [kv(h[0].double())]
+    for j in range(1, h.shape[0]):
+        states.append(M[j - 1].double() @ states[-1] + kv(h[j].double()))
+    return kv(torch.stack(states))
+
+
 def l2norm(x, eps=L2NORM_EPS):
     """x / sqrt(Σ x² + eps) over the last axis (FLA's l2norm), in float64."""
     x = x.double()
