@@ -36,6 +36,29 @@ def _op_signature(fn, drop=()) -> inspect.Signature:
                              return_annotation=tuple[torch.Tensor, torch.Tensor])
 
 
+def _op(name: str, signature: inspect.Signature, body, fake, writes: tuple[str, ...] = ()):
+    """The custom op kda_opt::`name` running body(*args, **kwargs), its schema from `signature`, fake
+    its fake implementation; `writes`: the arguments it writes in place. Such an op takes every
+    argument without a default, so that the dispatcher hands it every one: it leaves out trailing
+    arguments equal to their defaults, and torch 2.11's in-place bookkeeping (the ADInplaceOrView
+    kernel) finds each written argument by its position among those handed (an absent `out` or
+    `checkpoints` there raised IndexError). The callers pass every argument (kda_opt/calls)."""
+    if writes:
+        signature = signature.replace(parameters=[p.replace(default=inspect.Parameter.empty)
+                                                  for p in signature.parameters.values()])
+
+    def run(*args, **kwargs):
+        return body(*args, **kwargs)
+
+    def run_fake(*args, **kwargs):
+        return fake(*args, **kwargs)
+
+    run.__signature__ = run_fake.__signature__ = signature
+    op = torch.library.custom_op(f"kda_opt::{name}", run, mutates_args=writes)
+    op.register_fake(run_fake)
+    return op
+
+
 FORWARD = _op_signature(kda_forward, HOST_COPIES)
 DECODE = _op_signature(kda_decode)
 
@@ -57,12 +80,8 @@ def _fake(*args, **kwargs):
     return v.new_empty(v.shape), v.new_empty(shape, dtype=torch.float32)
 
 
-_forward.__signature__ = _fake.__signature__ = FORWARD
-forward_op = torch.library.custom_op("kda_opt::forward", _forward, mutates_args=())
-forward_in_place_op = torch.library.custom_op("kda_opt::forward_in_place", _forward,
-                                              mutates_args=("initial_state", "checkpoints"))
-forward_op.register_fake(_fake)
-forward_in_place_op.register_fake(_fake)
+forward_op = _op("forward", FORWARD, _forward, _fake)
+forward_in_place_op = _op("forward_in_place", FORWARD, _forward, _fake, writes=("initial_state", "checkpoints"))
 
 
 def _decode(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,9 +101,5 @@ def _decode_fake(*args, **kwargs):
     return v.new_empty(v.shape if out is None else (0,)), v.new_empty(shape, dtype=torch.float32)
 
 
-_decode.__signature__ = _decode_fake.__signature__ = DECODE
-decode_op = torch.library.custom_op("kda_opt::decode", _decode, mutates_args=())
-decode_in_place_op = torch.library.custom_op("kda_opt::decode_in_place", _decode,
-                                             mutates_args=("initial_state", "out"))
-decode_op.register_fake(_decode_fake)
-decode_in_place_op.register_fake(_decode_fake)
+decode_op = _op("decode", DECODE, _decode, _decode_fake)
+decode_in_place_op = _op("decode_in_place", DECODE, _decode, _decode_fake, writes=("initial_state", "out"))
