@@ -60,6 +60,11 @@ def kernel_device() -> str:
     return "cuda" if HAS_CUDA else "cpu"
 
 
+# Whether the Triton kernels run under the interpreter here, whose tl.dot multiplies fp32 operands in
+# fp32 whatever input_precision says: a bound that holds only there is a bound of the interpreter's.
+INTERPRETED = not HAS_CUDA
+
+
 @pytest.fixture(autouse=True)
 def fla_stays_fla():
     """FLA's chunk_kda is FLA's own in every test: kda_opt registered with it (kda_opt.use_in_fla,
