@@ -340,15 +340,25 @@ def test_refuses_without_gpu(monkeypatch, capsys, test):
 @pytest.mark.parametrize("err,same,rc", [(9e-3, True, 0), (1.1e-2, True, 1), (1e-3, False, 1)])
 def test_sglang_mode_fails_on_a_row_apart_or_touched(monkeypatch, capsys, err, same, rc):
     """--test sglang exits 1 where kda_opt and SGLang's kernel differ by more than twice the error
-    floor, or a pool row not named was touched (rows stood in for)."""
+    floor, or a pool row not named was touched (rows, and SGLang itself, stood in for)."""
     from kda_bench import sglang
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: name if name == "sglang" else real(name))
     row = dict(call="extend", H=8, requests=1, tokens=2048, gate="safe", sglang_triton_ms=1.0, kda_opt_ms=0.5,
                speedup=2.0, sglang_flashkda_ms="n/a", max_rel_err=err, untouched_ok=same)
     monkeypatch.setattr(sglang, "sglang_rows", lambda *a, **kw: [row])
     monkeypatch.setattr(sglang, "host_rows", lambda: {"kda_opt": 0.1, "sglang_triton": 0.5})
     assert bench.main(["--test", "sglang"]) == rc
     assert "host ms per extend call" in capsys.readouterr().out
+
+
+def test_sglang_mode_refuses_without_sglang(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "sglang" else real(name))
+    assert bench.main(["--test", "sglang"]) == 2
+    assert "needs SGLang" in capsys.readouterr().err
 
 
 def test_refuses_without_fla(monkeypatch, capsys):
