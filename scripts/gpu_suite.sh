@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# The whole test suite on a GPU, and its record: profiles/gpu_suite_<gpu>.txt (gpu: h200, h100, ...).
+#
+#   bash scripts/gpu_suite.sh suite       every test but the sanitizer tier, in parallel (-n $JOBS)
+#   bash scripts/gpu_suite.sh sanitizer   the sanitizer tier (pytest -m sanitizer; minutes)
+#
+# Run from the project root with the test dependencies importable (on the lent machine: the kit, and
+# SGLang's for tests/test_sglang.py; docs/BENCHMARKING.md, "The GPU suite"). Extra arguments go to pytest.
+# Each mode stops pytest at $LIMIT seconds (SIGINT: what ran is still counted, and the record says
+# `interrupted`), and rewrites its own lines of the record; the other mode's lines are kept where the
+# record is of the same tree, else marked not run (-). The record's lines:
+#   tree <commit>  gpu <name>  versions <torch> <triton> <cuda-tile>
+#   passed N  failed N  skipped N  suite_seconds S  [suite_interrupted yes]
+#   sanitizer_passed N  sanitizer_failed N  sanitizer_seconds S  [sanitizer_interrupted yes]
+#   failed_test <id> (one line each, either mode)
+# tree: HEAD where git is here, refused if kda_opt/, tests/ or scripts/ differ from it; else $KDA_TREE
+# (a copy of the tree without .git, as on the lent machine: the caller names its commit).
+# The exit status is pytest's.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+MODE=${1:-}
+shift || true
+case "$MODE" in
+  suite) MARK="not sanitizer"; JOBS=${JOBS:-15} ;;
+  sanitizer) MARK="sanitizer"; JOBS=${JOBS:-5} ;;
+  *) echo "usage: bash scripts/gpu_suite.sh suite|sanitizer [pytest arguments]" >&2; exit 2 ;;
+esac
+LIMIT=${LIMIT:-560}
+
+if git rev-parse --git-dir >/dev/null 2>&1; then
+  TREE=$(git rev-parse HEAD)
+  if [ -n "$(git status --porcelain -- kda_opt tests scripts)" ]; then
+    echo "gpu_suite.sh: kda_opt/, tests/ or scripts/ differ from HEAD ($TREE): commit first" >&2
+    exit 2
+  fi
+else
+  TREE=${KDA_TREE:?gpu_suite.sh: no git here: name the commit of this tree in KDA_TREE}
+fi
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+start=$(date +%s)
+timeout -s INT -k 30 "$LIMIT" python3 -m pytest -q -m "$MARK" -n "$JOBS" -p no:cacheprovider \
+  --junitxml="$work/junit.xml" "$@" 2>&1 | tee "$work/log"
+status=${PIPESTATUS[0]}
+seconds=$(( $(date +%s) - start ))
+
+MODE=$MODE TREE=$TREE SECONDS_TAKEN=$seconds STATUS=$status JUNIT="$work/junit.xml" python3 - <<'PY'
+import os
+import re
+import xml.etree.ElementTree as ET
+
+import torch
+import triton
+
+mode, tree = os.environ["MODE"], os.environ["TREE"]
+name = torch.cuda.get_device_name()
+gpu = (re.search(r"[A-Z]\d{3}", name) or re.search(r".*", name)).group(0).lower().replace(" ", "_")
+path = f"profiles/gpu_suite_{gpu}.txt"
+try:
+    from importlib.metadata import version
+    tile = version("cuda-tile")
+except Exception:
+    tile = "-"
+
+counts = {"passed": 0, "failed": 0, "skipped": 0}
+failed = []
+if os.path.exists(os.environ["JUNIT"]):
+    for case in ET.parse(os.environ["JUNIT"]).iter("testcase"):
+        outcome = {child.tag for child in case} & {"failure", "error", "skipped"}
+        test_id = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+        if outcome & {"failure", "error"}:
+            counts["failed"] += 1
+            failed.append(test_id)
+        elif outcome:
+            counts["skipped"] += 1
+        else:
+            counts["passed"] += 1
+# A status but 0 with no failed test (interrupted, an error of the run itself, a skip the suite
+# counts as a failure: tests/conftest.py) is a failure of the run.
+status = int(os.environ["STATUS"])
+interrupted = status in (2, 124, 130, 137) or not os.path.exists(os.environ["JUNIT"])
+if status != 0 and not failed:
+    counts["failed"] += 1
+    failed.append(f"(the run itself: pytest exit status {status})")
+
+prefix = "" if mode == "suite" else "sanitizer_"
+own = {f"{prefix}{k}" for k in counts} | {f"{mode}_seconds", f"{mode}_interrupted"}
+kept = []
+if os.path.exists(path):
+    lines = [line.split(" ", 1) for line in open(path).read().splitlines() if line.strip()]
+    if dict(line for line in lines if len(line) == 2).get("tree") == tree:
+        kept = [(k, v) for k, v in lines if k not in own and k not in ("tree", "gpu", "versions", "failed_test")
+                or k == "failed_test" and v.startswith(f"[{'suite' if prefix else 'sanitizer'}]")]
+other = "sanitizer" if mode == "suite" else "suite"
+other_prefix = "sanitizer_" if mode == "suite" else ""
+if not kept:
+    kept = [(f"{other_prefix}{k}", "-") for k in counts] + [(f"{other}_seconds", "-")]
+record = [("tree", tree), ("gpu", name), ("versions", f"{torch.__version__} {triton.__version__} {tile}")]
+record += [(f"{prefix}{k}", str(n)) for k, n in counts.items()] + [(f"{mode}_seconds", os.environ["SECONDS_TAKEN"])]
+if interrupted:
+    record.append((f"{mode}_interrupted", "yes"))
+record += [("failed_test", f"[{mode}] {t}") for t in failed]
+order = ["tree", "gpu", "versions", "passed", "failed", "skipped", "suite_seconds", "suite_interrupted",
+         "sanitizer_passed", "sanitizer_failed", "sanitizer_skipped", "sanitizer_seconds", "sanitizer_interrupted",
+         "failed_test"]
+lines = sorted(record + kept, key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
+open(path, "w").write("".join(f"{k} {v}\n" for k, v in lines))
+print(f"gpu_suite.sh: {path}")
+print(open(path).read(), end="")
+PY
+if [ -n "${OUT:-}" ]; then cp profiles/gpu_suite_*.txt "$work/log" "$OUT/" 2>/dev/null; mv "$OUT/log" "$OUT/gpu_suite_$MODE.log"; fi
+exit "$status"
