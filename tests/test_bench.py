@@ -342,9 +342,7 @@ def test_sglang_mode_fails_on_a_row_apart_or_touched(monkeypatch, capsys, err, s
     """--test sglang exits 1 where kda_opt and SGLang's kernel differ by more than twice the error
     floor, or a pool row not named was touched (rows, and SGLang itself, stood in for)."""
     from kda_bench import sglang
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: name if name == "sglang" else real(name))
+    on_a_gpu_where(monkeypatch, "sglang", "found")
     row = dict(call="extend", H=8, requests=1, tokens=2048, gate="safe", sglang_triton_ms=1.0, kda_opt_ms=0.5,
                speedup=2.0, sglang_flashkda_ms="n/a", max_rel_err=err, untouched_ok=same)
     monkeypatch.setattr(sglang, "sglang_rows", lambda *a, **kw: [row])
@@ -353,20 +351,18 @@ def test_sglang_mode_fails_on_a_row_apart_or_touched(monkeypatch, capsys, err, s
     assert "host ms per extend call" in capsys.readouterr().out
 
 
-def test_sglang_mode_refuses_without_sglang(monkeypatch, capsys):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "sglang" else real(name))
-    assert bench.main(["--test", "sglang"]) == 2
-    assert "needs SGLang" in capsys.readouterr().err
+@pytest.mark.parametrize("test,package,says", [("sglang", "sglang", "needs SGLang"), ("benchmark", "fla", "fla-core")])
+def test_refuses_without_its_package(monkeypatch, capsys, test, package, says):
+    on_a_gpu_where(monkeypatch, package, None)
+    assert bench.main(["--test", test]) == 2
+    assert says in capsys.readouterr().err
 
 
-def test_refuses_without_fla(monkeypatch, capsys):
+def on_a_gpu_where(monkeypatch, package, spec):
+    """A GPU stood in for, and importlib's find_spec answering `spec` for `package` (None: absent)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "fla" else real(name))
-    assert bench.main(["--test", "benchmark"]) == 2
-    assert "fla-core" in capsys.readouterr().err
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec if name == package else real(name))
 
 
 def test_sweep_rows_merge(tmp_path):
