@@ -13,8 +13,8 @@
 #   passed N  failed N  skipped N  suite_seconds S  [suite_interrupted yes]
 #   sanitizer_passed N  sanitizer_failed N  sanitizer_seconds S  [sanitizer_interrupted yes]
 #   failed_test <id> (one line each, either mode)
-# tree: HEAD where git is here, refused if kda_opt/, tests/ or scripts/ differ from it; else $KDA_TREE
-# (a copy of the tree without .git, as on the lent machine: the caller names its commit).
+# tree: $KDA_TREE where set (a copy of the tree whose .git is not its own, as on the lent machine: the
+# caller names its commit), else HEAD, refused if kda_opt/, tests/ or scripts/ differ from it.
 # The exit status is pytest's.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -27,14 +27,17 @@ case "$MODE" in
 esac
 LIMIT=${LIMIT:-560}
 
-if git rev-parse --git-dir >/dev/null 2>&1; then
+if [ -n "${KDA_TREE:-}" ]; then
+  TREE=$KDA_TREE
+elif git rev-parse --git-dir >/dev/null 2>&1; then
   TREE=$(git rev-parse HEAD)
   if [ -n "$(git status --porcelain -- kda_opt tests scripts)" ]; then
     echo "gpu_suite.sh: kda_opt/, tests/ or scripts/ differ from HEAD ($TREE): commit first" >&2
     exit 2
   fi
 else
-  TREE=${KDA_TREE:?gpu_suite.sh: no git here: name the commit of this tree in KDA_TREE}
+  echo "gpu_suite.sh: no git here: name the commit of this tree in KDA_TREE" >&2
+  exit 2
 fi
 
 work=$(mktemp -d)
