@@ -512,17 +512,15 @@ def test_compiled_pool_call_equals_eager(checkpoints):
     """Under torch.compile(fullgraph=True) the pool and checkpoints are written as in the eager call,
     bit for bit, and o is the same; opcheck passes on the in-place op. Without checkpoints: a server's
     compiled extend step (the in-place op then hands no checkpoints)."""
-    calls = [serving_call(11), serving_call(11)] if checkpoints else \
-        [{**serving_call(11), "checkpoints": None} for _ in range(2)]
-    eager, compiled = calls
+    without = {} if checkpoints else {"checkpoints": None}
+    eager, compiled = ({**serving_call(11), **without} for _ in range(2))
     step = lambda a: kda_forward(**a)[0]
     o = step(eager)
     oc = torch.compile(step, fullgraph=True)(compiled)
     assert torch.equal(oc, o)
     assert torch.equal(compiled["initial_state"], eager["initial_state"])
     assert not checkpoints or torch.equal(compiled["checkpoints"], eager["checkpoints"])
-    torch.library.opcheck(torch.ops.kda_opt.forward_in_place.default, (),
-                          op_arguments(**{**serving_call(12), **({} if checkpoints else {"checkpoints": None})}))
+    torch.library.opcheck(torch.ops.kda_opt.forward_in_place.default, (), op_arguments(**{**serving_call(12), **without}))
 
 
 @gpu
