@@ -53,7 +53,8 @@ def launches() -> dict:
         for dtype, bounded, layout in ((torch.bfloat16, True, None), (torch.float16, False, None),
                                        (torch.float32, False, packed), (torch.bfloat16, False, packed)):
             x = stage_inputs(1, T, 1, K, HV=2, dtype=dtype)
-            name = f"intra, {DTYPES[dtype]}, {'bounded' if bounded else 'unbounded'}{', packed, norms' if layout else ''}"
+            name = (f"intra, {DTYPES[dtype]}, {'bounded' if bounded else 'unbounded'}"
+                    f"{', packed, norms' if layout else ''}")
             patched.setattr(intra, "triton_launch", record(intra, name))
             intra.intra_chunk(x["q"], x["k"], x["gcum"], x["beta"], K ** -0.5, gate_bounded=bounded, seqs=layout,
                               l2norm=layout is not None)

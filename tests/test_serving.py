@@ -520,7 +520,8 @@ def test_compiled_pool_call_equals_eager(checkpoints):
     assert torch.equal(oc, o)
     assert torch.equal(compiled["initial_state"], eager["initial_state"])
     assert not checkpoints or torch.equal(compiled["checkpoints"], eager["checkpoints"])
-    torch.library.opcheck(torch.ops.kda_opt.forward_in_place.default, (), op_arguments(**{**serving_call(12), **without}))
+    torch.library.opcheck(torch.ops.kda_opt.forward_in_place.default, (),
+                          op_arguments(**{**serving_call(12), **without}))
 
 
 @gpu
