@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite on a GPU, and its record: profiles/gpu_suite_<gpu>.txt (gpu: h200, h100, ...).
 #
-#   bash scripts/gpu_suite.sh suite       every test but the sanitizer tier, in parallel (-n $JOBS)
+#   bash scripts/gpu_suite.sh suite       every test but the sanitizer tier, in parallel (-n $JOBS), longest
+#                                         first (profiles/gpu_suite_seconds.txt, rewritten from this run)
 #   bash scripts/gpu_suite.sh sanitizer   the sanitizer tier (tests/test_sanitizer.py; minutes)
 #
 # Run from the project root with the test dependencies importable (on the lent machine: the kit, and
@@ -22,9 +23,14 @@ MODE=${1:-}
 shift || true
 # The sanitizer tier is tests/test_sanitizer.py alone: collecting every module for it would count another
 # module's skip at import (tests/test_sglang.py without SGLang) against the tier (tests/conftest.py).
+# The suite starts the tests the last whole run found longest (FLA's and SGLang's own calls autotune on a
+# fresh machine: minutes each) and hands out one test at a time to whichever worker is free, so that it
+# ends on short tests rather than on a long one begun late.
+SECONDS_FILE=profiles/gpu_suite_seconds.txt
 case "$MODE" in
-  suite) MARK="not sanitizer"; JOBS=${JOBS:-16}; FILES=() ;;
-  sanitizer) MARK="sanitizer"; JOBS=${JOBS:-5}; FILES=(tests/test_sanitizer.py) ;;
+  suite) MARK="not sanitizer"; JOBS=${JOBS:-16}
+         ARGS=(--dist load --maxschedchunk 1 --longest-first "$SECONDS_FILE" tests) ;;
+  sanitizer) MARK="sanitizer"; JOBS=${JOBS:-5}; ARGS=(tests/test_sanitizer.py) ;;
   *) echo "usage: bash scripts/gpu_suite.sh suite|sanitizer [pytest arguments]" >&2; exit 2 ;;
 esac
 LIMIT=${LIMIT:-560}
@@ -45,14 +51,13 @@ fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 start=$(date +%s)
-# worksteal: a worker that runs out takes pending tests from the others, so the slow GPU tests (FLA's
-# own calls, minutes each) do not wait at the end of one worker's share.
-timeout -s INT -k 30 "$LIMIT" python3 -m pytest -q -m "$MARK" -n "$JOBS" --dist worksteal -p no:cacheprovider \
-  --junitxml="$work/junit.xml" "${FILES[@]}" "$@" 2>&1 | tee "$work/log"
+timeout -s INT -k 30 "$LIMIT" python3 -m pytest -q -m "$MARK" -n "$JOBS" -p no:cacheprovider \
+  --junitxml="$work/junit.xml" "${ARGS[@]}" "$@" 2>&1 | tee "$work/log"
 status=${PIPESTATUS[0]}
 seconds=$(( $(date +%s) - start ))
 
-MODE=$MODE TREE=$TREE SECONDS_TAKEN=$seconds STATUS=$status JUNIT="$work/junit.xml" python3 - <<'PY'
+MODE=$MODE TREE=$TREE SECONDS_TAKEN=$seconds STATUS=$status JUNIT="$work/junit.xml" SECONDS_FILE=$SECONDS_FILE \
+  python3 - <<'PY'
 import os
 import re
 import xml.etree.ElementTree as ET
@@ -72,12 +77,14 @@ except Exception:
 
 counts = {"passed": 0, "failed": 0, "skipped": 0}
 failed = []
+seconds = {}
 if os.path.exists(os.environ["JUNIT"]):
     for case in ET.parse(os.environ["JUNIT"]).iter("testcase"):
         outcome = {child.tag for child in case} & {"failure", "error", "skipped"}
         if case.get("name") is None and not outcome:     # an entry of xdist's that names no test
             continue
         test_id = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+        seconds[test_id] = float(case.get("time") or 0)
         if outcome & {"failure", "error"}:
             counts["failed"] += 1
             failed.append(test_id)
@@ -115,13 +122,23 @@ order = ["tree", "gpu", "versions", "passed", "failed", "skipped", "suite_second
          "failed_test"]
 lines = sorted(record + kept, key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
 open(path, "w").write("".join(f"{k} {v}\n" for k, v in lines))
+
+# The suite's order for the next run: this run's tests of 2 s or more, longest first; after an interrupted
+# run, the listed tests it did not reach stay first, as they may be the long ones.
+if mode == "suite":
+    seconds_file = os.environ["SECONDS_FILE"]
+    old = [line.split(" ", 1) for line in open(seconds_file).read().splitlines() if line.strip()]
+    header = [" ".join(line) for line in old if line[0] == "#"]
+    unreached = [f"{s} {t}" for s, t in old if s != "#" and t not in seconds] if interrupted else []
+    timed = [f"{s:.1f} {t}" for t, s in sorted(seconds.items(), key=lambda ts: -ts[1]) if s >= 2]
+    open(seconds_file, "w").write("\n".join(header + unreached + timed) + "\n")
 print(f"gpu_suite.sh: {path}")
 print(open(path).read(), end="")
 PY
 # On the lent machine: the record, the log and the JUnit XML (each finished test with its seconds: what a
 # run stopped at $LIMIT did not reach is the collected tests less these) come back under $OUT.
 if [ -n "${OUT:-}" ]; then
-  cp profiles/gpu_suite_*.txt "$OUT/"
+  cp profiles/gpu_suite_*.txt "$OUT/"      # the record and, after the suite, its order for the next run
   cp "$work/log" "$OUT/gpu_suite_$MODE.log"
   cp "$work/junit.xml" "$OUT/gpu_suite_$MODE.xml" 2>/dev/null
 fi

@@ -55,6 +55,25 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+def pytest_addoption(parser):
+    parser.addoption("--longest-first", metavar="PATH", default=None,
+                     help="run first the tests PATH lists (lines `<seconds> <test id>`, in their order; "
+                          "scripts/gpu_suite.sh writes profiles/gpu_suite_seconds.txt), the rest after them")
+
+
+def pytest_collection_modifyitems(config, items):
+    """--longest-first: the listed tests first, in the file's order, the rest after them in collection
+    order. Under xdist's load scheduler one test at a time (--maxschedchunk 1), a run started longest
+    first ends with short tests, not with a long one begun late."""
+    path = config.getoption("--longest-first")
+    if path is None:
+        return
+    listed = [line.split(" ", 1)[1] for line in open(path).read().splitlines()
+              if line.strip() and not line.startswith("#")]
+    rank = {test_id: i for i, test_id in enumerate(listed)}
+    items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))
+
+
 def kernel_device() -> str:
     """Where Triton stage kernels run in this session: the GPU, or the CPU under the interpreter."""
     return "cuda" if HAS_CUDA else "cpu"
