@@ -15,9 +15,9 @@ call unbindable is then bound (kda_opt/bound): its launches recorded once and re
 `launch`, inside an NVTX range of the `kda_opt` domain where KDA_OPT_NVTX=1 asks for them; nothing
 here waits on the device.
 
-A call runs in one pass, or in time segments or parallel segments, as kda_opt/plan.schedule_of resolves
-it once per call (from the plan and, for packed sequences, their host copy); `run` dispatches on that,
-and kda_opt/schedules runs the segments.
+A call runs in one pass, in time segments or parallel segments, or with its longest packed sequence
+ahead, as kda_opt/plan.schedule_of resolves it once per call (from the plan and, for packed
+sequences, their host copy); `run` dispatches on that, and kda_opt/schedules runs the others.
 """
 import contextlib
 import functools
@@ -35,8 +35,8 @@ from .gate import gate_cumsum
 from .intra import intra_chunk
 from .launch import Kernels, annotated, direct, nvtx_enabled, one_allocation
 from .options import CHUNK
-from .plan import OnePass, ParallelSegments, Pieces, Plan, TimeSegments, Tuning, make_plan, plan_for, schedule_of
-from .schedules import final_states, parallel, parallel_packed, pipelined
+from .plan import Ahead, OnePass, ParallelSegments, Pieces, Plan, TimeSegments, Tuning, make_plan, plan_for, schedule_of
+from .schedules import final_states, longest_ahead, parallel, parallel_packed, pipelined
 from .seqs import block_offsets, longest_first, packed, phased
 from .tables import units
 from .wuso import wuso
@@ -265,7 +265,7 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
         seqs = rows = None
         if plan.checkpoint_offsets:
             seqs, rows = launch("seqs", phased, cu_seqlens, checkpoint_offsets, plan.T, plan.checkpoint_every, kernels)
-        elif plan.packed:
+        elif plan.packed and not isinstance(schedule, Ahead):        # (Ahead's layouts are its tables)
             seqs = launch("seqs", packed, cu_seqlens, plan.T, kernels, skip_single=one_pass.routed,
                           chunks=None if one_pass.counts is None else one_pass.counts.chunks)
         final = initial_state if plan.state_pool else final_states(plan, v) if plan.output_final_state else None
@@ -281,6 +281,8 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
                 o = parallel(plan, tables, *inputs, state, checkpoints, prepare, stage4)
             case Pieces(_, block_v, tables):
                 o = parallel_packed(plan, tables, block_v, *inputs, seqs, state, checkpoints, prepare, stage4)
+            case Ahead(_, tables, rest, routed, block_v):
+                o = longest_ahead(plan, tables, rest, block_v, *inputs, cu_seqlens, state, routed, prepare, stage4)
             case OnePass(counts, routed, ordered):
                 gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, seqs)
                 order = launch("seqs", longest_first, cu_seqlens, plan.T, kernels) if ordered else None
@@ -289,9 +291,9 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
                            else _checkpoint_rows(plan, checkpoints, seqs, kernels),
                            checkpoint_first=checkpoint_offsets, cu_seqlens=cu_seqlens, qk_rstd=rstd,
                            beta_residual=r, decoded=routed)
-                if routed:                      # the sequences of one token: their o rows and states
-                    launch("decode", decode, plan.decode, q, k, v, g, beta, A_log, dt_bias, initial_state,
-                           final, cu_seqlens, initial_state_indices, None, o, has_initial_state, kernels=kernels)
+        if isinstance(schedule, (OnePass, Ahead)) and schedule.routed:   # the sequences of one token: o rows, states
+            launch("decode", decode, plan.decode, q, k, v, g, beta, A_log, dt_bias, initial_state, final, cu_seqlens,
+                   initial_state_indices, None, o, has_initial_state, kernels=kernels)
         return o, None if plan.state_pool else final
 
 
@@ -372,12 +374,13 @@ def _checkpoint_rows(plan: Plan, checkpoints, seqs, kernels):
     return block_offsets(seqs.cu_seqlens, plan.T, plan.checkpoint_every, kernels)
 
 
-def _stages_1_to_3(plan: Plan, launch, kernels, q, k, g, beta, seqs=None, *, A_log, dt_bias):
+def _stages_1_to_3(plan: Plan, launch, kernels, q, k, g, beta, seqs=None, *, A_log, dt_bias, out=None):
     """Stages 1–3 over q, k, g, beta [B, T, ...] (seqs: their layout, whose chunks they compute;
     None: B sequences of T tokens): Γ, Aqk, Tm, β's residual r [B, HV, T] (plan.beta_residual, else
-    None) and the q/k norms [2, B, H, T] (plan.l2norm, else None), views of one allocation."""
+    None) and the q/k norms [2, B, H, T] (plan.l2norm, else None), views of one allocation; out: such
+    a tuple to write the chunks into (the rows of the others are left as they are), None: a new one."""
     B, T, H, _ = q.shape
-    gcum, Aqk, Tm, r, rstd = one_allocation(
+    gcum, Aqk, Tm, r, rstd = out or one_allocation(
         q.device, ((B, T, plan.HV, plan.K), torch.float32), ((B, T, plan.HV, CHUNK), q.dtype),
         ((B, T, plan.HV, CHUNK), k.dtype), ((B, plan.HV, T), torch.float32) if plan.beta_residual else None,
         ((2, B, H, T), torch.float32) if plan.l2norm else None)   # 1 / ‖q‖, 1 / ‖k‖

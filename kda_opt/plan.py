@@ -5,7 +5,7 @@ decision, into one frozen value that kda_opt/forward runs; each stage takes the 
                                                argument, before any kernel runs (kda_opt/checks)
     what the options mean                      gate, scale, l2norm, beta_sigmoid, beta_residual, ...
     how the stages launch                      block_v, segments, parallel, parallel_cut, short_sequences,
-                                               intra_warps, worker_warps, decode (one-token sequences)
+                                               ahead, intra_warps, worker_warps, decode (one-token sequences)
 kda_decode's plan: make_decode_plan → DecodePlan (what its kernel reads and writes, its V block).
 Tuning holds the launch knobs; kda_forward takes its defaults, tests and scripts/bench_stages.py pass
 others. kda_forward makes a call signature's plan once (plan_for): the signature holds everything the
@@ -28,6 +28,10 @@ their transitions): one wave of (segment, value head) programs at the widest V b
 sequences whose lengths the call gives on the host (cu_seqlens_cpu) are cut so on every call where
 the longest is long enough (ParallelCut, cut_sequences): the plan, made once per signature, cannot
 hold lengths that change from call to call.
+
+The longest ahead (Tuning.ahead, off by default). Packed sequences with their host copy may run the
+longest one's stage 4 from the moment its own stages 1–3 are done, beside the others' (AheadRule,
+ahead_of; kda_opt/schedules, "The longest ahead").
 """
 import math
 import warnings
@@ -45,7 +49,7 @@ from .intra import warps_for
 from .launch import Kernels
 from .options import CHUNK, GateConfig, Read, Write
 from .seqs import RANK_MAX, Counts, sequence_counts
-from .tables import PieceTables, SegmentTables, piece_tables, segment_tables
+from .tables import AheadTables, PieceTables, SegmentTables, ahead_tables, piece_tables, segment_tables
 from .wuso import WORKER_WARPS, block_v_for
 
 
@@ -67,6 +71,13 @@ class Tuning:
                                   # sequences): the longest sequences' programs first (kda_opt/seqs)
     sized_launches: bool = True   # packed, one pass, with cu_seqlens_cpu: the stages' grids sized from
                                   # the host lengths on each call outside graph capture (kda_opt/seqs.sequence_counts)
+    ahead: bool = False           # packed, sized launches: the longest sequence's stage 4 ahead of the
+                                  # others' stages 1–3 where it has ahead_from tokens (ahead_of); off by
+                                  # default: unbound, its host time exceeds what it saves on the GPU
+    ahead_from: int = 4096
+    ahead_tokens: int = 1024      # its time segments: at least this many tokens each,
+    ahead_segments: int = 2       # and at most this many
+    ahead_block_v: int | None = None  # its stage 4's V block; None: the call's (Plan.block_v)
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,20 @@ class ParallelCut:
     longest: int
     share: float
     block_v: int | None             # Tuning.block_v; None: block_v_for's choice for the call's segments
+
+
+@dataclass(frozen=True)
+class AheadRule:
+    """Packed sequences with their host copy: a call whose longest sequence has at least `longest`
+    tokens, among others, runs that one's stage 4 ahead of the others' stages 1–3 (ahead_of,
+    kda_opt/schedules.longest_ahead), in time segments of at least `segment_tokens` tokens, at most
+    `segments` of them, each program `block_v` V columns wide."""
+    longest: int
+    segment_tokens: int
+    segments: int
+    block_v: int
+    dtype: torch.dtype              # cu_seqlens', which the segments' bounds take (the plan's compiled
+                                    # kernels are specialised on it)
 
 
 @dataclass(frozen=True)
@@ -119,6 +144,7 @@ class Plan(Sizes):
     short_sequences: bool         # packed: stage 4 reads a sequence of one chunk by element offsets
     longest_first: bool           # packed, one pass: stage 4's programs by descending sequence length
     sized_launches: bool          # packed, one pass, host lengths given: the stages' grids sized from them
+    ahead: AheadRule | None       # sized launches: where the longest sequence's stage 4 runs ahead of the rest
     intra_warps: int
     worker_warps: int
     sms: int                      # the GPU's SM count the launches are chosen for
@@ -191,6 +217,7 @@ def make_plan(arguments: Mapping[str, Any], tuning: Tuning = Tuning(), sms: int 
     # (With checkpoint offsets a sequence of one chunk may be cut in two: stage 4's own launches.)
     short_sequences = packed and tuning.short_sequences and a.checkpoint_offsets is None
     packed_one_pass = packed and len(segments) == 1 and not parallel     # stage 4 once over the sequences
+    sized = packed_one_pass and short_sequences and tuning.sized_launches and a.cu_seqlens_cpu is not None
     return Plan(
         B=B, T=T, H=H, K=K, HV=HV, V=V, N=N, dtype=q.dtype,
         scale=K ** -0.5 if scale is None else scale,
@@ -214,7 +241,11 @@ def make_plan(arguments: Mapping[str, Any], tuning: Tuning = Tuning(), sms: int 
         # Stages 1–2 over the chunks there are, stage 4 without a launch that has no sequence of its
         # kind and its ordered long launch over the long sequences only: a program that would end at
         # once still costs its launch (stage 4's: one CTA per SM at a time).
-        sized_launches=packed_one_pass and short_sequences and tuning.sized_launches and a.cu_seqlens_cpu is not None,
+        sized_launches=sized,
+        # (Not with checkpoints: the segments would need their rows, which nothing hands them.)
+        ahead=AheadRule(max(tuning.ahead_from, CHUNK + 1), tuning.ahead_tokens, tuning.ahead_segments,
+                        tuning.ahead_block_v or block_v, a.cu_seqlens.dtype)
+        if sized and tuning.ahead and a.checkpoints is None else None,
         intra_warps=tuning.intra_warps or warps_for(q.dtype), worker_warps=tuning.worker_warps, sms=sms,
         decode=_routed_decodes(Sizes(B, T, H, K, HV, V, N), scale, a.use_qk_l2norm_in_kernel, a.use_gate_in_kernel,
                                a.lower_bound, a.use_beta_sigmoid_in_kernel, a.allow_neg_eigval, state_v_first,
@@ -336,6 +367,15 @@ class ParallelSegments(NamedTuple):
     tables: SegmentTables                       # their device tables
 
 
+class Ahead(NamedTuple):
+    """Packed sequences, the longest one's stage 4 ahead of the others' stages 1–3 (ahead_of)."""
+    segments: tuple[tuple[int, int], ...]  # the longest sequence's time segments, token ranges of the call
+    tables: AheadTables                    # their layouts and the others' (kda_opt/tables)
+    rest: Counts                           # the other sequences' counts (sequence_counts)
+    routed: bool                           # as OnePass's
+    block_v: int                           # the longest sequence's V block
+
+
 class Pieces(NamedTuple):
     """Packed sequences, the long ones cut into parallel segments on this call (cut_sequences)."""
     pieces: tuple[tuple[int, int, int], ...]    # (sequence, t0, t1), every sequence's rows in order
@@ -343,7 +383,7 @@ class Pieces(NamedTuple):
     tables: PieceTables                         # their device tables
 
 
-Schedule = OnePass | TimeSegments | ParallelSegments | Pieces
+Schedule = OnePass | TimeSegments | ParallelSegments | Pieces | Ahead
 
 
 def schedule_of(plan: "Plan", device: torch.device, cu_seqlens_cpu=None, capturing=lambda: False) -> Schedule:
@@ -366,7 +406,35 @@ def schedule_of(plan: "Plan", device: torch.device, cu_seqlens_cpu=None, capturi
                           piece_tables(device, pieces, plan.N, plan.checkpoint_every, plan.HV, plan.K))
     routed = plan.decode is not None
     sized = plan.sized_launches and not capturing()
+    if sized and plan.ahead is not None:
+        bounds = cu_seqlens_cpu.tolist()
+        ahead = ahead_of(bounds, plan.ahead)
+        if ahead is not None:
+            n, segments = ahead
+            counts = sequence_counts(cu_seqlens_cpu, routed)
+            chunks = -(-(bounds[n + 1] - bounds[n]) // CHUNK)
+            return Ahead(segments, ahead_tables(device, tuple(bounds), n, segments, routed, plan.ahead.dtype),
+                         counts._replace(long=counts.long - 1, chunks=counts.chunks - chunks), routed,
+                         plan.ahead.block_v)
     return OnePass(sequence_counts(cu_seqlens_cpu, routed) if sized else None, routed, plan.longest_first)
+
+
+def ahead_of(cu_seqlens: list[int], rule: AheadRule) -> tuple[int, tuple[tuple[int, int], ...]] | None:
+    """(n, segments): packed sequence n, the first of the longest (bounds cu_seqlens, on the host), and
+    its time segments (token ranges of the call, whole chunks from its first token, each longer than a
+    chunk); None where it has fewer than rule.longest tokens or is the call's only sequence."""
+    lengths = [t1 - t0 for t0, t1 in zip(cu_seqlens, cu_seqlens[1:])]
+    longest = max(lengths)
+    if longest < rule.longest or len(lengths) < 2:
+        return None
+    n = lengths.index(longest)
+    count = max(1, min(rule.segments, longest // rule.segment_tokens))
+    step = -(-longest // (count * CHUNK)) * CHUNK
+    ends = [min(t + step, longest) for t in range(0, longest, step)]
+    if len(ends) > 1 and ends[-1] - ends[-2] <= CHUNK:     # a tail of one chunk joins the segment before
+        del ends[-2]
+    bos = cu_seqlens[n]
+    return n, tuple((bos + t0, bos + t1) for t0, t1 in zip([0, *ends[:-1]], ends))
 
 
 # Packed sequences are cut into parallel segments where the longest has at least CUT_FROM tokens and

@@ -24,7 +24,17 @@ pieces, and each pass runs the run of pieces it needs (parallel_packed). Three p
 (segment, head) program at once, against one pass whose chain is the longest sequence. The result is
 that of one pass up to the rounding of M's 16-bit product operands, within one pass's error against
 the float64 recurrence (tests/test_parallel.py).
+
+The longest ahead (kda_opt/plan.ahead_of decides it, for packed sequences with their host copy): in
+one pass the longest sequence's stage-4 chain, the call's critical path, starts only when stages 1–3
+have run over every sequence. Here stages 1–3 run first over the longest sequence's time segments, one
+after another on the caller's stream, each segment's stage 4 on a side stream of high priority as soon
+as its own stages 1–3 are done (the segments' states handed on in fp32, as time segments do), then
+stages 1–3 and stage 4 of the other sequences on the caller's stream, beside that chain on the SMs it
+leaves. The same numbers as one pass: every chunk's stages 1–3 and every sequence's chain are the
+same arithmetic.
 """
+import contextlib
 import functools
 import math
 
@@ -32,7 +42,8 @@ import torch
 
 from .merge import merge
 from .options import state_shape
-from .tables import PieceTables, SegmentTables
+from .seqs import Counts, Seqs
+from .tables import AheadTables, PieceTables, SegmentTables
 
 
 def final_states(plan, like: torch.Tensor) -> torch.Tensor:
@@ -171,8 +182,63 @@ def _state_row(plan) -> tuple[int, int, int]:
 
 
 @functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
+def _side_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
+    """The package's side stream on `device` of this priority (lower: its blocks are scheduled first)."""
+    return torch.cuda.Stream(device, priority=priority)
+
+
+def longest_ahead(plan, t: AheadTables, rest: Counts, block_v: int, q, k, v, g, beta, cu_seqlens, state, routed,
+                  prepare, stage4):
+    """o over packed sequences whose longest runs ahead (module docstring, "The longest ahead"), its
+    time segments' layouts and the others' in `t`; rest: the others' counts; block_v: the longest
+    one's stage-4 V block; routed: the others' sequences of one token are kda_opt/decode's (the
+    caller's to launch after). `state` holds stage 4's state arguments of the whole call: the first
+    segment reads the longest one's initial state, the last writes its final one, and between them the
+    state is handed on in fp32 (row n of two [N, ...] buffers in turn). On a device without streams (the
+    CPU of the tests), one after the other."""
+    side = _side_stream(q.device, AHEAD_PRIORITY) if q.is_cuda else None
+    main = torch.cuda.current_stream(q.device) if side is not None else None
+    if side is not None:
+        side.wait_stream(main)          # q, k, v, g, beta as the caller's stream left them
+    o = torch.empty_like(v)
+    last = len(t.segments) - 1
+    handed = [final_states(plan, v), final_states(plan, v)] if last else None
+    made = None
+    for i, seqs in enumerate(t.segments):
+        made = prepare(q, k, g, beta, seqs, out=made)
+        gcum, Aqk, Tm, r, rstd = made
+        reads = dict(initial_state=state["initial_state"], read_slots=state["read_slots"],
+                     has_initial_state=state["has_initial_state"]) if i == 0 \
+            else dict(initial_state=handed[(i - 1) % 2])
+        writes = dict(final_state=state["final_state"], write_slots=state["write_slots"]) if i == last \
+            else dict(final_state=handed[i % 2])
+        with _after(main, side):
+            stage4(q, k, v, gcum, Tm, Aqk, **reads, **writes, slots=state["slots"], cu_seqlens=seqs.cu_seqlens,
+                   order=t.longest, sequence_counts=Counts(1, 0, seqs.chunk_slots), qk_rstd=rstd, beta_residual=r,
+                   out=o, block_v=block_v)
+    seqs = Seqs(chunk_slots=len(t.rest), cu_seqlens=cu_seqlens, chunk_indices=t.rest)
+    gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, seqs, out=made)
+    stage4(q, k, v, gcum, Tm, Aqk, **state, cu_seqlens=cu_seqlens, order=t.order, sequence_counts=rest,
+           qk_rstd=rstd, beta_residual=r, decoded=routed, out=o)
+    if side is not None:
+        main.wait_stream(side)
+    return o
+
+
+# The longest ahead's side stream: the highest priority, so that its chain's blocks go before the
+# waiting blocks of the caller's stream.
+AHEAD_PRIORITY = -1
+
+
+@contextlib.contextmanager
+def _after(main, side):
+    """Work on `side` after what the caller's stream `main` has so far (None: where it is)."""
+    if side is None:
+        yield
+        return
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        yield
 
 
 def pipelined(plan, segments, q, k, v, g, beta, state, checkpoints, prepare, stage4):

@@ -16,7 +16,7 @@ import torch
 
 from kda_opt import forward
 from kda_opt.options import CHUNK
-from kda_opt.plan import OnePass, ParallelSegments, Pieces, TimeSegments, Tuning, schedule_of
+from kda_opt.plan import Ahead, OnePass, ParallelSegments, Pieces, TimeSegments, Tuning, schedule_of
 from kda_opt.reference import recurrent_kda
 from tests.conftest import kernel_device, rel_err
 from tests.stage_inputs import plan_of
@@ -91,14 +91,15 @@ def _programs(bounds, order, short_sequences, decoded, counts):
     """The sequences a wuso call computes, as its launches cover them: program i computes sequence
     order[i] (or i); with short_sequences, a long launch over the first counts.long of the order (all
     without counts) computing those longer than a chunk, and a short launch in grid order computing
-    the others (but sequences of one token where decoded: kda_opt/decode's)."""
+    the others (but sequences of one token where decoded: kda_opt/decode's); with counts, a launch
+    whose count is zero is not made."""
     every = list(range(len(bounds))) if order is None else order.tolist()
     if not short_sequences:
         return every
     length = lambda n: bounds[n][2] - bounds[n][1]
     long = [n for n in (every if counts is None else every[:counts.long]) if length(n) > CHUNK]
     short = [n for n in range(len(bounds)) if length(n) <= CHUNK and not (decoded and length(n) == 1)]
-    return long + short
+    return long + (short if counts is None or counts.short else [])
 
 
 def _layout(S, v_first):
@@ -326,6 +327,46 @@ def test_sized_launches_and_longest_first():
     assert stage4.calls[0]["ordered"]
     ref_o, ref_s = truth(call, lens, [None] * len(lens))
     assert rel_err(o, ref_o) <= TOL and rel_err(final, ref_s) <= TOL
+
+
+@pytest.mark.parametrize("pool", [False, True])
+def test_longest_ahead(pool):
+    """Packed sequences with their host lengths, the longest (the first of two of 330 tokens) ahead in
+    three time segments (its state handed on twice), the others' stage 4 over them
+    longest first, the one-token ones decoded: o and each sequence's final state (a pool slot, −1
+    writing nothing) against the recurrence."""
+    lens = [40, 330, 1, 330, 0, 100]
+    h0 = torch.randn(8, HV, K, V, generator=torch.Generator().manual_seed(7)).to(D)
+    call = packed(lens, cu_seqlens_cpu=torch.tensor([0, *lens]).cumsum(0))
+    slots = [4, 7, 1, -1, 2, 0]
+    if pool:
+        call.update(initial_state=h0.clone(), initial_state_indices=torch.tensor(slots, dtype=torch.int32, device=D))
+        starts = [None if s < 0 else h0[s] for s in slots]
+    else:
+        call.update(initial_state=h0[:6].clone(), output_final_state=True)
+        starts = list(h0[:6])
+    tuning = Tuning(ahead=True, ahead_from=65, ahead_tokens=100, ahead_segments=4)
+    plan, o, final, stage4 = run(call, tuning)
+    schedule = schedule_of(plan, torch.device(D), call["cu_seqlens_cpu"])
+    assert isinstance(schedule, Ahead) and schedule.routed
+    assert schedule.segments == ((40, 168), (168, 296), (296, 370))
+    assert schedule.rest.long == 2 and schedule.rest.chunks == 1 + 6 + 2
+    assert schedule.tables.order.tolist() == [3, 5, 0, 2, 4]
+    assert [c["ranges"][1] for c in stage4.calls[:3]] == [(40, 168), (168, 296), (296, 370)]
+    assert stage4.calls[0]["ranges"][0] == (40, 40) and stage4.calls[3]["ranges"][1] == (40, 370)
+    ref_o, ref_s = truth(call, lens, starts)
+    assert rel_err(o, ref_o) <= TOL
+    if pool:
+        after = call["initial_state"]
+        for n, s in enumerate(slots):
+            if s >= 0:
+                assert rel_err(after[s], ref_s[n]) <= TOL, n
+        assert torch.equal(after[[3, 5, 6]], h0[[3, 5, 6]])
+    else:
+        assert rel_err(final, ref_s) <= TOL
+    for off in (Tuning(), Tuning(ahead=True, ahead_from=331)):       # not by default, nor below ahead_from
+        assert not isinstance(schedule_of(plan_of(**call, tuning=off, sms=SMS), torch.device(D), call["cu_seqlens_cpu"]),
+                              Ahead)
 
 
 def test_run_takes_the_call_tensors_first():

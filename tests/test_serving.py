@@ -9,8 +9,8 @@ import kda_opt  # noqa: F401  registers the ops
 from kda_bench.inputs import random_inputs
 from kda_opt import kda_forward
 from kda_opt.forward import RUN_TENSORS, run
-from kda_opt.plan import Pieces, Tuning, schedule_of
-from kda_opt.reference import reference_forward
+from kda_opt.plan import Ahead, Pieces, Tuning, schedule_of
+from kda_opt.reference import ERROR_FLOOR, reference_forward
 from tests.conftest import gpu, rel_err
 from tests.stage_inputs import plan_of
 from tests.test_op import DEFAULTS
@@ -407,6 +407,60 @@ def test_sized_launches_are_full_in_a_cuda_graph():
     graph.replay()
     o_eager, _ = kda_forward(**new)
     assert torch.equal(o, o_eager) and torch.equal(static["initial_state"], new["initial_state"])
+
+
+AHEAD_LENS = [300, 1, 1000, 64, 0, 700, 1000, 1]   # the longest: the first of two of 1000 tokens
+
+
+@gpu
+@pytest.mark.parametrize("call", list(CALLS))
+@pytest.mark.parametrize("pool", [False, True])
+def test_longest_ahead_equals_one_pass(call, pool):
+    """The longest sequence ahead (Plan.ahead: its stages 1–3 first, in three time segments, each
+    one's stage 4 on the side stream) gives one pass's numbers bit for bit at one V block: o, and the
+    final states or a pool at shuffled slots with −1 among them (one-token sequences routed)."""
+    args = random_inputs(1, sum(AHEAD_LENS), 2, 128, seqlens=AHEAD_LENS, seed=21, initial_state=not pool,
+                         **CALLS[call])
+    if pool:
+        on_a_pool(args, 20, holes=3)
+    results = []
+    for tuning in (Tuning(block_v=64, ahead=True, ahead_from=65, ahead_tokens=300, ahead_segments=4),
+                   Tuning(block_v=64)):
+        c = {**args, "initial_state": args["initial_state"].clone()}
+        plan = plan_of(**c, tuning=tuning)
+        schedule = schedule_of(plan, c["q"].device, c["cu_seqlens_cpu"])
+        assert isinstance(schedule, Ahead) == bool(tuning.ahead)
+        assert not tuning.ahead or schedule.segments == ((301, 685), (685, 1069), (1069, 1301))
+        o, s = run(plan, **{n: c.get(n) for n in RUN_TENSORS})
+        results.append((o, s, c["initial_state"]))
+    (o1, s1, p1), (o0, s0, p0) = results
+    assert torch.equal(o1, o0) and torch.equal(p1, p0) and (s0 is None or torch.equal(s1, s0))
+
+
+@gpu
+def test_longest_ahead_through_compiled_kernels():
+    """The longest ahead through a plan's table of compiled kernels (kda_opt/launch: the first call
+    fills it through the JIT, the second launches from it, over the segments' layouts and the
+    others'), cu_seqlens int64, its own V block: o and the pool within one pass's error of one pass,
+    the rows of no request's slot untouched."""
+    lens = [500, 1, 4200, 64, 1300]
+    args = on_a_pool(random_inputs(1, sum(lens), 2, 128, seqlens=lens, seed=22, **CALLS["flashkda"]), 12, holes=4)
+    assert args["cu_seqlens"].dtype == torch.int64
+    pool = args["initial_state"]
+    runs = []
+    for tuning in (Tuning(ahead=True, ahead_block_v=32), Tuning()):
+        plan = plan_of(**args, tuning=tuning)
+        assert isinstance(schedule_of(plan, args["q"].device, args["cu_seqlens_cpu"]), Ahead) == tuning.ahead
+        kernels = {}
+        c = {**args, "initial_state": pool.clone()}
+        for _ in range(2):
+            c["initial_state"].copy_(pool)
+            o, _ = run(plan, **{n: c.get(n) for n in RUN_TENSORS}, kernels=kernels)
+        runs.append((o, c["initial_state"]))
+    (o1, p1), (o0, p0) = runs
+    assert rel_err(o1, o0) <= ERROR_FLOOR and rel_err(p1, p0) <= ERROR_FLOOR
+    untouched = [r for r in range(12) if r not in args["initial_state_indices"].tolist()]
+    assert torch.equal(p1[untouched], pool[untouched])
 
 
 @gpu
