@@ -303,5 +303,5 @@ def test_replayed_calls_equal_the_stages(name):
     assert entry.bound is not None, entry.unbound
     for x, y in zip(replayed, stages):
         assert (x is None) == (y is None) and (x is None or torch.equal(x, y))
-    for n in written:
-        assert torch.equal(args[n], again[n]), n
+    for n in written:       # bit for bit: rows no call writes hold what the allocation held, NaNs among it
+        assert torch.equal(args[n].view(torch.uint8), again[n].view(torch.uint8)), n
