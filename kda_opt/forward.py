@@ -35,9 +35,10 @@ from .gate import gate_cumsum
 from .intra import intra_chunk
 from .launch import Kernels, annotated, direct, nvtx_enabled, one_allocation
 from .options import CHUNK
-from .plan import Ahead, OnePass, ParallelSegments, Pieces, Plan, TimeSegments, Tuning, make_plan, plan_for, schedule_of
+from .plan import (Ahead, Entry, OnePass, ParallelSegments, Pieces, Plan, TimeSegments, Tuning, make_plan, plan_for,
+                   schedule_of, takes_ahead)
 from .schedules import final_states, longest_ahead, parallel, parallel_packed, pipelined
-from .seqs import block_offsets, longest_first, packed, phased
+from .seqs import ahead_layout, block_offsets, longest_first, packed, phased
 from .tables import units
 from .wuso import wuso
 
@@ -217,12 +218,16 @@ def kda_forward(
     """
     arguments = dict(locals())      # every argument by name, in the order of this signature: their one list
     entry = plan_for(arguments)
+    if takes_ahead(entry.plan, cu_seqlens_cpu):     # its launches the same for any lengths: bound
+        entry.ahead = entry.ahead or Entry(entry.plan)
+        return bound.call(entry.ahead, _INPUTS(arguments), functools.partial(_run, entry.ahead, arguments, ahead=True))
     return bound.call(entry, _INPUTS(arguments), functools.partial(_run, entry, arguments), entry.plan.unbindable)
 
 
-def _run(entry, arguments: dict):
-    """run() of a call's plan entry on its arguments (kda_forward's, by name)."""
-    return run(entry.plan, *_RUN_INPUTS(arguments), kernels=entry.kernels)
+def _run(entry, arguments: dict, ahead: bool = False):
+    """run() of a call's plan entry on its arguments (kda_forward's, by name); ahead: its longest
+    sequence ahead (plan.takes_ahead)."""
+    return run(entry.plan, *_RUN_INPUTS(arguments), kernels=entry.kernels, ahead=ahead)
 
 
 # The host copies, which the custom op does not take (kda_opt/op): it validates the call when it runs.
@@ -235,7 +240,7 @@ _INPUTS = operator.itemgetter(*(n for n, p in PARAMETERS.items() if "Tensor" in 
 
 def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=None, cu_seqlens=None,
         initial_state_indices=None, has_initial_state=None, checkpoints=None, checkpoint_offsets=None,
-        cu_seqlens_cpu=None, *, launch=None, kernels: Kernels | None = None, made=None):
+        cu_seqlens_cpu=None, *, launch=None, kernels: Kernels | None = None, made=None, ahead: bool = False):
     """The forward of a plan made from these inputs (make_plan): (o, final state or None).
     launch(name, launcher, *args, **kwargs) runs each stage's launcher (names: seqs, gate, intra,
     wuso; None: directly, or inside an NVTX range where KDA_OPT_NVTX asks for them, kda_opt/launch);
@@ -243,11 +248,12 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
     kernels (kda_opt/launch; None: every launch through the JIT). made: stages 1–3's outputs over
     these tokens, computed before (Prepared; a plan of one time segment, without checkpoint offsets).
     cu_seqlens_cpu: the host copy, from which packed sequences are cut where plan.parallel_cut says
-    and the stages' launches sized where plan.sized_launches says."""
+    and the stages' launches sized where plan.sized_launches says. ahead: the longest packed sequence
+    runs ahead (plan.takes_ahead, asked by the caller; the host copy is then not read)."""
     ranges = nvtx_enabled()
     launch = launch or (annotated if ranges else direct)
     schedule = schedule_of(plan, q.device, cu_seqlens_cpu,
-                           lambda: q.is_cuda and torch.cuda.is_current_stream_capturing())
+                           lambda: q.is_cuda and torch.cuda.is_current_stream_capturing(), ahead)
     q, k, v, g, beta, initial_state, A_log, dt_bias = _as_read(plan, q, k, v, g, beta, initial_state, A_log, dt_bias)
     cu_seqlens = cu_seqlens if plan.packed else None        # one sequence over [0, T]: the B = 1 call
     prepare = functools.partial(_stages_1_to_3, plan, launch, kernels, A_log=A_log, dt_bias=dt_bias)
@@ -281,8 +287,10 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
                 o = parallel(plan, tables, *inputs, state, checkpoints, prepare, stage4)
             case Pieces(_, block_v, tables):
                 o = parallel_packed(plan, tables, block_v, *inputs, seqs, state, checkpoints, prepare, stage4)
-            case Ahead(_, tables, rest, routed, block_v):
-                o = longest_ahead(plan, tables, rest, block_v, *inputs, cu_seqlens, state, routed, prepare, stage4)
+            case Ahead(segments, block_v, routed):
+                layout = functools.partial(launch, "seqs", ahead_layout, cu_seqlens, plan.T, kernels=kernels,
+                                           skip_single=routed)
+                o = longest_ahead(plan, segments, block_v, *inputs, cu_seqlens, state, routed, prepare, stage4, layout)
             case OnePass(counts, routed, ordered):
                 gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, seqs)
                 order = launch("seqs", longest_first, cu_seqlens, plan.T, kernels) if ordered else None

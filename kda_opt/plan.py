@@ -29,9 +29,10 @@ sequences whose lengths the call gives on the host (cu_seqlens_cpu) are cut so o
 the longest is long enough (ParallelCut, cut_sequences): the plan, made once per signature, cannot
 hold lengths that change from call to call.
 
-The longest ahead (Tuning.ahead, off by default). Packed sequences with their host copy may run the
-longest one's stage 4 from the moment its own stages 1–3 are done, beside the others' (AheadRule,
-ahead_of; kda_opt/schedules, "The longest ahead").
+The longest ahead. Packed sequences with their host copy whose longest is long run its stage 4 from
+the moment its own stages 1–3 are done, beside the others' (AheadRule, takes_ahead; kda_opt/schedules,
+"The longest ahead"); its launches do not depend on the lengths, so such calls are bound (their own
+Entry.ahead).
 """
 import math
 import warnings
@@ -49,7 +50,7 @@ from .intra import warps_for
 from .launch import Kernels
 from .options import CHUNK, GateConfig, Read, Write
 from .seqs import RANK_MAX, Counts, sequence_counts
-from .tables import AheadTables, PieceTables, SegmentTables, ahead_tables, piece_tables, segment_tables
+from .tables import PieceTables, SegmentTables, piece_tables, segment_tables
 from .wuso import WORKER_WARPS, block_v_for
 
 
@@ -71,12 +72,10 @@ class Tuning:
                                   # sequences): the longest sequences' programs first (kda_opt/seqs)
     sized_launches: bool = True   # packed, one pass, with cu_seqlens_cpu: the stages' grids sized from
                                   # the host lengths on each call outside graph capture (kda_opt/seqs.sequence_counts)
-    ahead: bool = False           # packed, sized launches: the longest sequence's stage 4 ahead of the
-                                  # others' stages 1–3 where it has ahead_from tokens (ahead_of); off by
-                                  # default: unbound, its host time exceeds what it saves on the GPU
+    ahead: bool = True            # packed, one pass, with cu_seqlens_cpu: a call whose longest sequence has
+                                  # ahead_from tokens runs it ahead of the others (takes_ahead), bound
     ahead_from: int = 4096
-    ahead_tokens: int = 1024      # its time segments: at least this many tokens each,
-    ahead_segments: int = 2       # and at most this many
+    ahead_segments: int = 2       # in this many time segments
     ahead_block_v: int | None = None  # its stage 4's V block; None: the call's (Plan.block_v)
 
 
@@ -95,15 +94,12 @@ class ParallelCut:
 @dataclass(frozen=True)
 class AheadRule:
     """Packed sequences with their host copy: a call whose longest sequence has at least `longest`
-    tokens, among others, runs that one's stage 4 ahead of the others' stages 1–3 (ahead_of,
-    kda_opt/schedules.longest_ahead), in time segments of at least `segment_tokens` tokens, at most
-    `segments` of them, each program `block_v` V columns wide."""
+    tokens, among others, runs that one's stage 4 ahead of the others' stages 1–3 (takes_ahead,
+    kda_opt/schedules.longest_ahead), in `segments` time segments, each program `block_v` V columns
+    wide."""
     longest: int
-    segment_tokens: int
     segments: int
     block_v: int
-    dtype: torch.dtype              # cu_seqlens', which the segments' bounds take (the plan's compiled
-                                    # kernels are specialised on it)
 
 
 @dataclass(frozen=True)
@@ -144,7 +140,7 @@ class Plan(Sizes):
     short_sequences: bool         # packed: stage 4 reads a sequence of one chunk by element offsets
     longest_first: bool           # packed, one pass: stage 4's programs by descending sequence length
     sized_launches: bool          # packed, one pass, host lengths given: the stages' grids sized from them
-    ahead: AheadRule | None       # sized launches: where the longest sequence's stage 4 runs ahead of the rest
+    ahead: AheadRule | None       # packed, one pass, host lengths: where the longest sequence runs ahead
     intra_warps: int
     worker_warps: int
     sms: int                      # the GPU's SM count the launches are chosen for
@@ -243,9 +239,9 @@ def make_plan(arguments: Mapping[str, Any], tuning: Tuning = Tuning(), sms: int 
         # once still costs its launch (stage 4's: one CTA per SM at a time).
         sized_launches=sized,
         # (Not with checkpoints: the segments would need their rows, which nothing hands them.)
-        ahead=AheadRule(max(tuning.ahead_from, CHUNK + 1), tuning.ahead_tokens, tuning.ahead_segments,
-                        tuning.ahead_block_v or block_v, a.cu_seqlens.dtype)
-        if sized and tuning.ahead and a.checkpoints is None else None,
+        ahead=AheadRule(max(tuning.ahead_from, CHUNK + 1), tuning.ahead_segments, tuning.ahead_block_v or block_v)
+        if packed_one_pass and short_sequences and a.cu_seqlens_cpu is not None and tuning.ahead
+        and a.checkpoints is None else None,
         intra_warps=tuning.intra_warps or warps_for(q.dtype), worker_warps=tuning.worker_warps, sms=sms,
         decode=_routed_decodes(Sizes(B, T, H, K, HV, V, N), scale, a.use_qk_l2norm_in_kernel, a.use_gate_in_kernel,
                                a.lower_bound, a.use_beta_sigmoid_in_kernel, a.allow_neg_eigval, state_v_first,
@@ -265,11 +261,12 @@ _OPTION_TYPES = frozenset((bool, int, float, type(None)))
 class Entry:
     """A call signature's plan, the table of its compiled Triton kernels (kda_opt/launch), and the call
     bound from a run of it (kda_opt/bound): `bound` once made, else `unbound` says why it cannot be
-    (None: not tried yet); `runs`: its calls run unbound so far."""
-    __slots__ = ("plan", "kernels", "bound", "unbound", "runs")
+    (None: not tried yet); `runs`: its calls run unbound so far; `ahead`: the entry of its calls that
+    run their longest sequence ahead (another run, bound on its own; None until one comes)."""
+    __slots__ = ("plan", "kernels", "bound", "unbound", "runs", "ahead")
 
     def __init__(self, plan):
-        self.plan, self.kernels, self.bound, self.unbound, self.runs = plan, Kernels(), None, None, 0
+        self.plan, self.kernels, self.bound, self.unbound, self.runs, self.ahead = plan, Kernels(), None, None, 0, None
 
 
 def plan_for(arguments: dict) -> Entry:
@@ -368,12 +365,11 @@ class ParallelSegments(NamedTuple):
 
 
 class Ahead(NamedTuple):
-    """Packed sequences, the longest one's stage 4 ahead of the others' stages 1–3 (ahead_of)."""
-    segments: tuple[tuple[int, int], ...]  # the longest sequence's time segments, token ranges of the call
-    tables: AheadTables                    # their layouts and the others' (kda_opt/tables)
-    rest: Counts                           # the other sequences' counts (sequence_counts)
-    routed: bool                           # as OnePass's
-    block_v: int                           # the longest sequence's V block
+    """Packed sequences, the longest one's stage 4 ahead of the others' stages 1–3 (takes_ahead), its
+    layouts made on the device (kda_opt/seqs.ahead_layout)."""
+    segments: int         # its time segments
+    block_v: int          # its stage 4's V block
+    routed: bool          # as OnePass's
 
 
 class Pieces(NamedTuple):
@@ -386,12 +382,16 @@ class Pieces(NamedTuple):
 Schedule = OnePass | TimeSegments | ParallelSegments | Pieces | Ahead
 
 
-def schedule_of(plan: "Plan", device: torch.device, cu_seqlens_cpu=None, capturing=lambda: False) -> Schedule:
+def schedule_of(plan: "Plan", device: torch.device, cu_seqlens_cpu=None, capturing=lambda: False,
+                ahead: bool = False) -> Schedule:
     """How kda_opt/forward runs a call of `plan` on `device`: what the plan fixed, with its segments'
     or pieces' device tables (kda_opt/tables), and for packed sequences what their host copy
     (cu_seqlens_cpu) says on this call: whether the long ones are cut (plan.parallel_cut) and the
     launches' sizes (plan.sized_launches; not while capturing() says a CUDA graph is being captured,
-    whose replays may see other lengths)."""
+    whose replays may see other lengths). ahead: the call's longest sequence runs ahead (takes_ahead,
+    which the caller asks first: the call may then be bound)."""
+    if ahead:
+        return Ahead(plan.ahead.segments, plan.ahead.block_v, plan.decode is not None)
     if plan.parallel:
         return ParallelSegments(plan.segments, segment_tables(device, plan.segments, plan.checkpoint_every, plan.HV,
                                                               plan.K))
@@ -406,35 +406,20 @@ def schedule_of(plan: "Plan", device: torch.device, cu_seqlens_cpu=None, capturi
                           piece_tables(device, pieces, plan.N, plan.checkpoint_every, plan.HV, plan.K))
     routed = plan.decode is not None
     sized = plan.sized_launches and not capturing()
-    if sized and plan.ahead is not None:
-        bounds = cu_seqlens_cpu.tolist()
-        ahead = ahead_of(bounds, plan.ahead)
-        if ahead is not None:
-            n, segments = ahead
-            counts = sequence_counts(cu_seqlens_cpu, routed)
-            chunks = -(-(bounds[n + 1] - bounds[n]) // CHUNK)
-            return Ahead(segments, ahead_tables(device, tuple(bounds), n, segments, routed, plan.ahead.dtype),
-                         counts._replace(long=counts.long - 1, chunks=counts.chunks - chunks), routed,
-                         plan.ahead.block_v)
     return OnePass(sequence_counts(cu_seqlens_cpu, routed) if sized else None, routed, plan.longest_first)
 
 
-def ahead_of(cu_seqlens: list[int], rule: AheadRule) -> tuple[int, tuple[tuple[int, int], ...]] | None:
-    """(n, segments): packed sequence n, the first of the longest (bounds cu_seqlens, on the host), and
-    its time segments (token ranges of the call, whole chunks from its first token, each longer than a
-    chunk); None where it has fewer than rule.longest tokens or is the call's only sequence."""
-    lengths = [t1 - t0 for t0, t1 in zip(cu_seqlens, cu_seqlens[1:])]
-    longest = max(lengths)
-    if longest < rule.longest or len(lengths) < 2:
-        return None
-    n = lengths.index(longest)
-    count = max(1, min(rule.segments, longest // rule.segment_tokens))
-    step = -(-longest // (count * CHUNK)) * CHUNK
-    ends = [min(t + step, longest) for t in range(0, longest, step)]
-    if len(ends) > 1 and ends[-1] - ends[-2] <= CHUNK:     # a tail of one chunk joins the segment before
-        del ends[-2]
-    bos = cu_seqlens[n]
-    return n, tuple((bos + t0, bos + t1) for t0, t1 in zip([0, *ends[:-1]], ends))
+def takes_ahead(plan: "Plan", cu_seqlens_cpu) -> bool:
+    """Whether a call of `plan` with the host copy cu_seqlens_cpu (or None) runs its longest packed
+    sequence ahead (plan.ahead): one of at least its rule's tokens among others, and no cut."""
+    rule = plan.ahead
+    if rule is None or cu_seqlens_cpu is None:
+        return False
+    bounds = cu_seqlens_cpu.tolist()
+    longest = max(t1 - t0 for t0, t1 in zip(bounds, bounds[1:]))
+    cut = plan.parallel_cut
+    return len(bounds) > 2 and longest >= rule.longest and (
+        cut is None or cut_sequences(bounds, plan.HV, cut, plan.sms) is None)
 
 
 # Packed sequences are cut into parallel segments where the longest has at least CUT_FROM tokens and

@@ -25,7 +25,7 @@ pieces, and each pass runs the run of pieces it needs (parallel_packed). Three p
 that of one pass up to the rounding of M's 16-bit product operands, within one pass's error against
 the float64 recurrence (tests/test_parallel.py).
 
-The longest ahead (kda_opt/plan.ahead_of decides it, for packed sequences with their host copy): in
+The longest ahead (kda_opt/plan.takes_ahead decides it, from packed sequences' host copy): in
 one pass the longest sequence's stage-4 chain, the call's critical path, starts only when stages 1–3
 have run over every sequence. Here stages 1–3 run first over the longest sequence's time segments, one
 after another on the caller's stream, each segment's stage 4 on a side stream of high priority as soon
@@ -42,8 +42,9 @@ import torch
 
 from .merge import merge
 from .options import state_shape
-from .seqs import Counts, Seqs
-from .tables import AheadTables, PieceTables, SegmentTables
+from .launch import wait
+from .seqs import Counts
+from .tables import PieceTables, SegmentTables
 
 
 def final_states(plan, like: torch.Tensor) -> torch.Tensor:
@@ -187,41 +188,42 @@ def _side_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
     return torch.cuda.Stream(device, priority=priority)
 
 
-def longest_ahead(plan, t: AheadTables, rest: Counts, block_v: int, q, k, v, g, beta, cu_seqlens, state, routed,
-                  prepare, stage4):
-    """o over packed sequences whose longest runs ahead (module docstring, "The longest ahead"), its
-    time segments' layouts and the others' in `t`; rest: the others' counts; block_v: the longest
-    one's stage-4 V block; routed: the others' sequences of one token are kda_opt/decode's (the
-    caller's to launch after). `state` holds stage 4's state arguments of the whole call: the first
-    segment reads the longest one's initial state, the last writes its final one, and between them the
-    state is handed on in fp32 (row n of two [N, ...] buffers in turn). On a device without streams (the
-    CPU of the tests), one after the other."""
+def longest_ahead(plan, segments: int, block_v: int, q, k, v, g, beta, cu_seqlens, state, routed, prepare, stage4,
+                  layout):
+    """o over packed sequences whose longest runs ahead (module docstring, "The longest ahead") in
+    `segments` time segments at stage 4's V block block_v; layout(segments, slots, has_initial_state)
+    makes their layouts (kda_opt/seqs.ahead_layout); routed: the others' sequences of one token are
+    kda_opt/decode's (the caller's to launch after). `state` holds stage 4's state arguments of the
+    whole call: the first segment reads the longest one's initial state, the last writes its final
+    one (at its slot: its pool row, or its row of a dense state), and between them the state is handed
+    on in fp32 (two one-row buffers in turn). The launches do not depend on the lengths, so the call
+    may be bound (kda_opt/bound). On a device without streams (the CPU of the tests), one after the
+    other."""
     side = _side_stream(q.device, AHEAD_PRIORITY) if q.is_cuda else None
     main = torch.cuda.current_stream(q.device) if side is not None else None
-    if side is not None:
-        side.wait_stream(main)          # q, k, v, g, beta as the caller's stream left them
+    t = layout(segments, slots=state["slots"] if state["read_slots"] or state["write_slots"] else None,
+               has_initial_state=state["has_initial_state"])
     o = torch.empty_like(v)
-    last = len(t.segments) - 1
-    handed = [final_states(plan, v), final_states(plan, v)] if last else None
+    last = segments - 1
+    handed = [v.new_empty((1, *_state_row(plan)), dtype=torch.float32) for _ in range(min(last, 2))]
     made = None
     for i, seqs in enumerate(t.segments):
         made = prepare(q, k, g, beta, seqs, out=made)
         gcum, Aqk, Tm, r, rstd = made
-        reads = dict(initial_state=state["initial_state"], read_slots=state["read_slots"],
-                     has_initial_state=state["has_initial_state"]) if i == 0 \
-            else dict(initial_state=handed[(i - 1) % 2])
-        writes = dict(final_state=state["final_state"], write_slots=state["write_slots"]) if i == last \
-            else dict(final_state=handed[i % 2])
+        initial = state["initial_state"] if i == 0 else handed[(i - 1) % 2]
+        final = state["final_state"] if i == last else handed[i % 2]
         with _after(main, side):
-            stage4(q, k, v, gcum, Tm, Aqk, **reads, **writes, slots=state["slots"], cu_seqlens=seqs.cu_seqlens,
-                   order=t.longest, sequence_counts=Counts(1, 0, seqs.chunk_slots), qk_rstd=rstd, beta_residual=r,
-                   out=o, block_v=block_v)
-    seqs = Seqs(chunk_slots=len(t.rest), cu_seqlens=cu_seqlens, chunk_indices=t.rest)
-    gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, seqs, out=made)
-    stage4(q, k, v, gcum, Tm, Aqk, **state, cu_seqlens=cu_seqlens, order=t.order, sequence_counts=rest,
+            stage4(q, k, v, gcum, Tm, Aqk, initial_state=initial, read_slots=i == 0 and initial is not None,
+                   has_initial_state=t.has_state if i == 0 else None, final_state=final,
+                   write_slots=i == last and final is not None, slots=t.slot, cu_seqlens=seqs.cu_seqlens,
+                   qk_rstd=rstd, beta_residual=r, out=o, block_v=block_v, short_sequences=False)
+    gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, t.rest, out=made)
+    # The others' long launch over the order (longest first), their short one over every sequence.
+    others = Counts(plan.N - 1, 1, t.rest.chunk_slots)
+    stage4(q, k, v, gcum, Tm, Aqk, **state, cu_seqlens=cu_seqlens, order=t.order, sequence_counts=others,
            qk_rstd=rstd, beta_residual=r, decoded=routed, out=o)
     if side is not None:
-        main.wait_stream(side)
+        wait(main, side)
     return o
 
 
@@ -236,7 +238,7 @@ def _after(main, side):
     if side is None:
         yield
         return
-    side.wait_stream(main)
+    wait(side, main)
     with torch.cuda.stream(side):
         yield
 

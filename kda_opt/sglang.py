@@ -133,13 +133,15 @@ def extend(q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, A_lo
     (module docstring); the pool and track_state written in place.
 
     The host lengths (extend_seq_lens_cpu) go to kda_forward only where they choose its schedule: one
-    request (which then runs as one sequence, in parallel segments where they pay), or a request long
-    enough to be cut (plan.CUT_FROM); any other call is bound (its launches replayed) without them."""
-    cu_seqlens_cpu = None
-    if extend_seq_lens_cpu is not None and (len(extend_seq_lens_cpu) == 1
-                                            or max(extend_seq_lens_cpu) >= plan.CUT_FROM):
-        cu_seqlens_cpu = torch.tensor([0, *extend_seq_lens_cpu]).cumsum(0)
+    request (which then runs as one sequence, in parallel segments where they pay), a request long
+    enough to be cut (plan.CUT_FROM) or, without per-chunk states, to run ahead of the others
+    (plan.takes_ahead: bound); any other call is bound (its launches replayed) without them."""
     states = track_state is not None or return_intermediate_states
+    lengths = extend_seq_lens_cpu
+    cu_seqlens_cpu = None
+    if lengths is not None and (len(lengths) == 1 or max(lengths) >= plan.CUT_FROM
+                                or not states and max(lengths) >= plan.Tuning.ahead_from):
+        cu_seqlens_cpu = torch.tensor([0, *lengths]).cumsum(0)
     h = checkpoints = None
     if states:
         # The pool's rows before the call, which overwrites them: each request's state before its first chunk.

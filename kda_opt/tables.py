@@ -1,8 +1,7 @@
-"""The device tables a schedule's passes read, made by kda_opt/plan.schedule_of as it resolves a call
-(kda_opt/schedules runs them): one sequence's parallel segments' bounds, checkpoint rows and slot
-rows (package constants, so that a bound call replays them), packed sequences' pieces', or the
-layouts of a packed call whose longest sequence runs ahead (both copied from pinned memory); each
-cached per segmentation.
+"""The device tables a schedule's stage-4 passes read, made by kda_opt/plan.schedule_of as it resolves
+a call (kda_opt/schedules, "Parallel segments", runs them): one sequence's parallel segments'
+bounds, checkpoint rows and slot rows (package constants, so that a bound call replays them), or
+packed sequences' pieces' (copied from pinned memory); each cached per segmentation.
 """
 import functools
 import itertools
@@ -10,9 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from .launch import BUFFER_ALIGN, constant
-from .options import CHUNK
-from .seqs import Seqs
+from .launch import constant
 
 
 class SegmentTables(NamedTuple):
@@ -82,48 +79,6 @@ def piece_tables(device: torch.device, pieces, N: int, checkpoint_every: int, HV
     return PieceTables(bounds, ck, fst.long(), lst.long(), flat.long().view(depth, len(cut)), zeros, none,
                        (first[cut[0]], last[cut[-1]]), (first[cut[0]] + 1, last[cut[-1]]), (rest[0], rest[-1] + 1),
                        units(device, HV, K), _sequence_rows(device, N))
-
-
-class AheadTables(NamedTuple):
-    """A packed call's layouts when its longest sequence runs ahead (ahead_tables), for stages 1–3
-    (kda_opt/seqs.Seqs) and stage 4."""
-    segments: tuple[Seqs, ...]  # each of the longest sequence's time segments: the call's sequences with
-                                # only that one holding tokens, those of the segment
-    longest: torch.Tensor       # [1] int32: the longest sequence, stage 4's order over a segment
-    rest: torch.Tensor          # [chunks, 2] int32: the other sequences' chunks, as Seqs.chunk_indices
-                                # (one spare slot where they have none)
-    order: torch.Tensor         # [N − 1] int32: the other sequences by descending chunk count (stable)
-
-
-@functools.lru_cache(maxsize=64)
-def ahead_tables(device: torch.device, cu_seqlens: tuple[int, ...], n: int, segments, skip_single: bool,
-                 dtype: torch.dtype) -> AheadTables:
-    """schedules.longest_ahead's tables for packed sequences of bounds cu_seqlens whose sequence n runs
-    in time segments (t0, t1), ...; skip_single: the others' sequences of one token own no chunk
-    (kda_opt/decode computes them); dtype: the call's cu_seqlens', which the segments' bounds take (a
-    plan's compiled kernels are specialised on it). Copied from pinned memory, without waiting for the
-    device, each table on a BUFFER_ALIGN boundary."""
-    N = len(cu_seqlens) - 1
-    lengths = [t1 - t0 for t0, t1 in zip(cu_seqlens, cu_seqlens[1:])]
-    chunks = lambda m: 0 if m == n or (skip_single and lengths[m] == 1) else -(-lengths[m] // CHUNK)
-    bounds = [[t0] * (n + 1) + [t1] * (N - n) for t0, t1 in segments]
-    indices = [[x for j in range(-(-(t1 - t0) // CHUNK)) for x in (n, j)] for t0, t1 in segments]
-    rest = [x for m in range(N) for j in range(chunks(m)) for x in (m, j)] or [-1, 0]
-    order = sorted((m for m in range(N) if m != n), key=lambda m: -lengths[m] // CHUNK)   # descending cdiv
-    bounds = _aligned(device, bounds, dtype)
-    *indices, longest, rest, order = _aligned(device, [*indices, [n], rest, order], torch.int32)
-    return AheadTables(tuple(Seqs(chunk_slots=len(x) // 2, cu_seqlens=b, chunk_indices=x.view(-1, 2))
-                             for b, x in zip(bounds, indices)), longest, rest.view(-1, 2), order)
-
-
-def _aligned(device: torch.device, tables: list[list[int]], dtype: torch.dtype) -> list[torch.Tensor]:
-    """The tables on `device` as views of one buffer copied from pinned memory (without waiting for the
-    device), each starting on a BUFFER_ALIGN boundary."""
-    step = BUFFER_ALIGN // dtype.itemsize
-    sizes = [-(-len(x) // step) * step for x in tables]
-    host = torch.tensor([y for x, size in zip(tables, sizes) for y in x + [0] * (size - len(x))], dtype=dtype)
-    host = host.pin_memory() if device.type == "cuda" else host
-    return [x.narrow(0, 0, len(t)) for x, t in zip(host.to(device, non_blocking=True).split(sizes), tables)]
 
 
 @functools.lru_cache(maxsize=16)

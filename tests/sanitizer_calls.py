@@ -18,8 +18,9 @@ import torch
 
 from kda_bench.inputs import random_inputs
 from kda_opt import kda_decode, kda_forward
-from kda_opt.forward import Prepared
-from kda_opt.plan import DECODE_PROGRAMS, Tuning
+from kda_opt.forward import RUN_TENSORS, Prepared, run
+from kda_opt.plan import DECODE_PROGRAMS, Tuning, takes_ahead
+from tests.stage_inputs import plan_of
 from tests.test_forward import run_tuned
 
 H, K = 2, 128
@@ -27,7 +28,7 @@ MIXED = [1, 63, 64, 65, 7, 130, 0, 200]      # short and long packed sequences, 
 TIME_SEGMENTS = Tuning(segment_tokens=128)
 PARALLEL = Tuning(parallel=True, parallel_tokens=128)
 ON_STAGE4 = Tuning(route_decodes=False)
-AHEAD = Tuning(ahead=True, ahead_from=65, ahead_tokens=200, ahead_segments=3)   # three segments, the last partial
+AHEAD = Tuning(ahead_from=65, ahead_segments=3)       # three segments, the last partial
 ORDERED = [1, 300, 5, 64, 65, 0, 130, 1, 200, 17] * 10   # 200 stage-4 programs at H = 2: longest first
 SMS = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
 WIDE = DECODE_PROGRAMS * SMS // (2 * H)                  # one-token requests for 64 × 2 decode programs
@@ -41,6 +42,13 @@ def pool_call(lens, slots, rows, v_first=False, dtype=torch.float32, has=None, *
     if has is not None:
         args["has_initial_state"] = torch.tensor(has, device="cuda")
     return args
+
+
+def run_ahead(args):
+    """The packed call with its longest sequence ahead (AHEAD: from 65 tokens), through the JIT."""
+    plan = plan_of(**args, tuning=AHEAD)
+    assert takes_ahead(plan, args["cu_seqlens_cpu"])
+    return run(plan, **{n: args.get(n) for n in RUN_TENSORS}, ahead=True)
 
 
 def decode_call(lens, slots, rows, v_first=False, dtype=torch.float32, **call):
@@ -91,7 +99,9 @@ CALLS = {
     "parallel segments": lambda: run_tuned(random_inputs(1, 1000, H, K, initial_state=True, state_v_first=True),
                                        PARALLEL),
     "parallel segments, packed": lambda: run_tuned(pool_call([700, 30, 0, 900, 5], [3, 0, -1, 1, 2], 4), PARALLEL),
-    "the longest ahead, a pool": lambda: run_tuned(pool_call([200, 1, 700, 0, 65, 700], [3, 0, -1, 1, 2, 4], 5), AHEAD),
+    "the longest ahead, a pool": lambda: run_ahead(pool_call([200, 1, 700, 0, 65, 700], [3, 0, -1, 1, 2, 4], 5)),
+    "the longest ahead as planned, a pool (bound)": lambda: kda_forward(**pool_call(
+        [300, 1, 4200, 64, 0, 700], [5, 0, -1, 2, 4, 1], 6, l2norm=True, beta_logits=True)),
     "parallel segments as planned, a pool slot (bound)": lambda: kda_forward(**pool_call([8192], [2], 4, has=[True])),
     "context-parallel transition": lambda: (Prepared(**{n: x for n, x in random_inputs(
         1, 395, H, K, seqlens=[130, 65, 200]).items() if n != "output_final_state"}).transition(),),

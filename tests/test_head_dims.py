@@ -49,6 +49,8 @@ def launches() -> dict:
                              torch.zeros(2 * K))
         packed = seqs.packed(cu, T)
         seqs.longest_first(cu, T)
+        seqs.ahead_layout(cu, T, 2, slots=torch.zeros(3, dtype=torch.int32),
+                          has_initial_state=torch.zeros(3, dtype=torch.bool))
         for dtype, bounded, layout in ((torch.bfloat16, True, None), (torch.float16, False, None),
                                        (torch.float32, False, packed), (torch.bfloat16, False, packed)):
             x = stage_inputs(1, T, 1, K, HV=2, dtype=dtype)
