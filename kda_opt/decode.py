@@ -265,9 +265,13 @@ def run(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial_st
 
 def _token_rows(x):
     """x [B, T, heads(, channels)] as the kernel reads it: channels dense and token rows evenly spaced
-    through the batch (row n·T + t at (n·T + t) · stride(1)); else a contiguous copy."""
+    through the batch (row n·T + t at (n·T + t) · stride(1)); else a contiguous copy. One token per
+    request (T = 1): the rows are stride(0) apart, whatever stride(1) says (SGLang's decode views
+    of one fused projection, [N, 1, H, K], are read in place)."""
     if x.is_contiguous():
         return x
     B, T = x.shape[:2]
+    if T == 1:
+        x = x.as_strided(x.shape, (x.stride(0), x.stride(0), *x.stride()[2:]))
     dense = x.dim() == 3 or x.stride(-1) == 1
     return x if dense and (B == 1 or x.stride(0) == T * x.stride(1)) else x.contiguous()

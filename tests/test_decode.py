@@ -151,6 +151,21 @@ def test_padding_leaves_live_rows_as_unpadded(case):
     assert torch.equal(pool[untouched], before[untouched])
 
 
+def test_one_token_views_of_a_fused_projection_are_read_in_place():
+    """Batched decode (B = N, T = 1) on q, k, v split from one fused [N, 3·H·K] tensor (SGLang's
+    mixed_qkv, whose size-1 token axis has a stride of H·K): read through their batch stride, no copy
+    (kda_opt/decode._token_rows), the same o and pool as on contiguous copies."""
+    from kda_opt.decode import _token_rows
+    args = inputs(N=4, T=1, H=2, K=64, slots=6, indices=[5, 0, 3, 2], inplace=True)
+    fused = torch.cat([args[n].flatten(1) for n in ("q", "k", "v")], dim=-1)
+    views = {n: x.view(4, 1, 2, 64) for n, x in zip(("q", "k", "v"), fused.split(128, dim=-1))}
+    assert all(_token_rows(x).data_ptr() == x.data_ptr() for x in views.values())
+    copies = {**args, "initial_state": args["initial_state"].clone()}
+    o_views, pool_views = decoded({**args, **views})
+    o, pool = decoded(copies)
+    assert torch.equal(o_views, o) and torch.equal(pool_views, pool)
+
+
 def test_zero_accepted_tokens_is_a_pad_row():
     """A request whose num_accepted_tokens is 0 (or past its columns) starts from zeros and writes no
     row (vLLM nulls such rows; FLA's kernel reads column −1, the previous request's last slot)."""
