@@ -53,6 +53,17 @@ def decode_call(lens, slots, rows, v_first=False, dtype=torch.float32, **call):
     return {**args, "state_v_first": v_first, **call}
 
 
+def fused_decode(N):
+    """kda_decode on N one-token requests whose q, k, v are [N, 1, H, K] views of one [N, 3·H·K]
+    tensor (read in place), an fp32 V-first pool of N + 8 rows written at shuffled slots."""
+    args = decode_call([1] * N, torch.randperm(N + 8)[:N], N + 8, v_first=True)
+    mixed = torch.randn(N, 3 * H * K, device="cuda", dtype=args["q"].dtype)
+    q, k, v = (x.unflatten(-1, (H, K)).unsqueeze(1) for x in mixed.split(H * K, dim=-1))
+    batched = {n: args[n].view(N, 1, *args[n].shape[2:]) for n in ("g", "beta")}
+    args.pop("cu_seqlens")
+    return kda_decode(**{**args, **batched, "q": q, "k": k, "v": v})
+
+
 def checkpointed(lens, every, ck_dtype=torch.float32, offsets=None, **call):
     args = random_inputs(1, sum(lens), H, K, seqlens=lens, initial_state=True, **call)
     rows = sum(-(-n // every) + 1 for n in lens)
@@ -116,6 +127,7 @@ CALLS = {
         [1] * SMS, torch.randperm(SMS + 8)[:SMS], SMS + 8, dtype=torch.bfloat16)),
     "decode, V blocks first: V-first, an fp32 pool, many requests": lambda: kda_decode(**decode_call(
         [1] * 300, torch.randperm(308)[:300], 308, v_first=True)),
+    "decode, batched views of one fused projection (SGLang's packed decode)": lambda: fused_decode(40),
     "verify, [N, S] slots, accepted counts": lambda: kda_decode(**decode_call(
         [4, 2, 3], torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]), 12,
         num_accepted_tokens=torch.tensor([4, 0, 2], device="cuda"), v_first=True)),
