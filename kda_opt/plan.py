@@ -477,6 +477,8 @@ class DecodePlan(Sizes):
     single: bool                  # only the sequences of one token (a packed kda_forward call's)
     block_v: int
     num_warps: int
+    blocks_first: bool            # the grid (V / BV, HV, N), a (request, head)'s V blocks neighbouring
+                                  # programs (V-first fp32 states, N ≤ GRID_AXIS_MAX); else (N·HV, V / BV)
 
 
 def make_decode_plan(arguments: Mapping[str, Any], sms: int | None = None) -> DecodePlan:
@@ -532,34 +534,33 @@ def _decode_plan(sizes: Sizes, scale, l2norm, gate_in_kernel, lower_bound, beta_
                  sms, state_itemsize, **access) -> "DecodePlan":
     """A DecodePlan from checked options; `access`: what it reads and writes (DecodePlan's fields);
     state_itemsize: the bytes of one element of the states it reads and writes."""
-    block_v, num_warps = decode_launch(sizes.N * sizes.HV, sizes.V, state_itemsize, v_first, sms)
+    block_v, num_warps = decode_launch(sizes.N * sizes.HV, sizes.V, v_first, sms)
     return DecodePlan(
         **vars(sizes), scale=sizes.K ** -0.5 if scale is None else scale,
         gate=GateConfig(in_kernel=gate_in_kernel, lower_bound=lower_bound), l2norm=l2norm,
         beta_sigmoid=_beta_sigmoid(beta_sigmoid, neg_eigval), state_v_first=v_first, packed=packed,
-        block_v=block_v, num_warps=num_warps, **access)
+        block_v=block_v, num_warps=num_warps,
+        # Measured for fp32 states only (16-bit ones not yet timed so).
+        blocks_first=v_first and state_itemsize == 4 and sizes.N <= GRID_AXIS_MAX, **access)
 
 
-def decode_launch(heads: int, V: int, state_itemsize: int, v_first: bool, sms: int) -> tuple[int, int]:
+def decode_launch(heads: int, V: int, v_first: bool, sms: int) -> tuple[int, int]:
     """kda_decode's (V columns, warps) per program of (request, value head): a step is the state's
     bytes (kda_opt/decode), and what it leaves to hide is the reductions over K of each token. The
     fastest measured (docs/DESIGN.md, Decode), on `heads` (request, value head) pairs:
-    - K-first states (a block's columns dense in memory): 64 columns by 2 warps (each thread 128 of
-      the block's elements) wherever that gives every SM a program (16 columns are 64-byte pieces of
-      128 rows);
-    - V-first fp32 states: 64 columns by 2 warps where that gives every SM DECODE_PROGRAMS programs;
-    - otherwise, and for V-first 16-bit states, 16 columns by one warp (the reductions within the
-      warp, and more programs to spread a small step)."""
-    if not v_first:
-        enough = sms
-    elif state_itemsize == 4:
-        enough = DECODE_PROGRAMS * sms
-    else:
-        return 16, 1
-    return (64, 2) if heads * (V // 64) >= enough else (16, 1)
+    - K-first states (a block's columns dense in memory): 64 columns by 2 warps wherever that gives
+      every SM a program (16 columns are 64-byte pieces of 128 rows);
+    - otherwise, and for every V-first state, 16 columns by one warp (the reductions within the
+      warp, and more programs to spread a small step); V-first fp32 ones with a (request, head)'s V
+      blocks as neighbouring programs (DecodePlan.blocks_first)."""
+    if not v_first and heads * (V // 64) >= sms:
+        return 64, 2
+    return 16, 1
 
 
-DECODE_PROGRAMS = 32
+# A grid's second and third axes stop here: decode's grid puts the requests on its third with
+# blocks_first.
+GRID_AXIS_MAX = 65535
 
 
 def decode_plan_for(arguments: dict) -> Entry:
