@@ -411,14 +411,15 @@ def schedule_of(plan: "Plan", device: torch.device, cu_seqlens_cpu=None, capturi
 
 def takes_ahead(plan: "Plan", cu_seqlens_cpu) -> bool:
     """Whether a call of `plan` with the host copy cu_seqlens_cpu (or None) runs its longest packed
-    sequence ahead (plan.ahead): one of at least its rule's tokens among others, and no cut."""
+    sequence ahead (plan.ahead): one of at least its rule's tokens among others (at most RANK_MAX
+    sequences: the others' order is kda_opt/seqs.longest_first's), and no cut."""
     rule = plan.ahead
     if rule is None or cu_seqlens_cpu is None:
         return False
     bounds = cu_seqlens_cpu.tolist()
     longest = max(t1 - t0 for t0, t1 in zip(bounds, bounds[1:]))
     cut = plan.parallel_cut
-    return len(bounds) > 2 and longest >= rule.longest and (
+    return 2 < len(bounds) <= RANK_MAX + 1 and longest >= rule.longest and (
         cut is None or cut_sequences(bounds, plan.HV, cut, plan.sms) is None)
 
 
