@@ -139,8 +139,9 @@ def kda_forward(
             here, without a host-device synchronisation; one sequence (N = 1), known so to span
             all T tokens, runs as the fixed-length call of B = 1 does (a long one in time or
             parallel segments, docs/DESIGN.md), and a long sequence among others in parallel
-            segments where they pay; without it the device values are trusted unseen and every
-            sequence runs in one pass.
+            segments where they pay, or ahead of the others (its stage 4 beside their stages 1–3:
+            docs/DESIGN.md, "The longest ahead"); without it the device values are trusted unseen
+            and every sequence runs in one pass.
         chunk_size: 64, the only size this engine computes (kda_opt/options.CHUNK).
         transpose_state_layout: FLA's deprecated name of ``state_v_first`` (a DeprecationWarning;
             passing both is an error).
