@@ -1,7 +1,6 @@
 """kda_opt/decode (kda_decode): the kernel against the float64 decode reference (Triton's interpreter
 in fp32 without a GPU), the padding rules, and the argument checks."""
 import json
-import os
 import subprocess
 import sys
 
@@ -12,7 +11,7 @@ from kda_opt.calls import arguments_of
 from kda_opt.decode import kda_decode, run
 from kda_opt.plan import GRID_AXIS_MAX, DecodePlan, make_decode_plan
 from kda_opt.reference import ERROR_FLOOR, reference_decode
-from tests.conftest import HAS_CUDA, gpu, kernel_device, rel_err
+from tests.conftest import HAS_CUDA, ROOT, compile_env, gpu, kernel_device, rel_err
 from tests.stage_inputs import plan_of
 
 DEVICE = kernel_device()
@@ -310,10 +309,8 @@ def sm90_resources():
     the kernels are Triton's JIT functions (here, without a GPU, they are the interpreter's)."""
     code = ("import json\nfrom tests.test_decode import VARIANTS, sm90_cubin\nfrom tests.test_wuso import resources\n"
             "print(json.dumps([resources(sm90_cubin(**v)) for v in VARIANTS]))")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "TRITON_INTERPRET": "0",
-           "PYTHONPATH": os.pathsep.join(filter(None, (root, os.path.join(root, "scripts"), os.environ.get("PYTHONPATH"))))}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=compile_env(), cwd=ROOT,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
