@@ -17,8 +17,12 @@ views and copies from one of those tensors into another (replayed in their place
 a fill, a cast or a concatenation made outside the launches would not be); and its launches depend
 on nothing outside the signature (kda_opt/plan's Plan.unbindable: no launch sized from a host copy's
 lengths, no time segments on two streams), and the versions installed are those the replay's private
-launch interfaces were tested on (kda_opt/fastpath.FAST).
+launch interfaces were tested on (kda_opt/fastpath.FAST). A call that runs work on a side stream
+(kda_opt/schedules' longest ahead) is replayed on the same side stream, each launch on the stream it
+ran on and each wait between the streams (kda_opt/launch.wait) where it was made.
 """
+import contextlib
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -42,7 +46,13 @@ class Recording(TorchDispatchMode):
         super().__init__()
         self.inputs = inputs
         self.buffers: list[torch.Tensor] = []
-        self.launches: list[tuple] = []       # ("triton" | "cutile" | "copy", kernel, grid, arguments)
+        # ("triton" | "cutile" | "copy" | "wait", kernel, grid, arguments, stream): each launch and copy
+        # with the stream it ran on, each wait as (waiting stream, stream waited on) in its arguments;
+        # a stream as its index in `streams` (raw handles, the call's own stream first), those it
+        # waited on or for in `waited_on` (by index, as torch streams).
+        self.launches: list[tuple] = []
+        self.streams: list[int] = [launch.current_stream()]
+        self.waited_on: dict[int, torch.cuda.Stream] = {}
         self.reason: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -50,17 +60,36 @@ class Recording(TorchDispatchMode):
         if func.overloadpacket in ALLOCATIONS and out.device == self.inputs[0].device:
             self.buffers.append(out)
         elif func is aten.copy_.default and len(args) == 2 and not kwargs:
-            self.launches.append(("copy", None, None, tuple(args)))
+            self.launches.append(("copy", None, None, tuple(args), self._index(launch.current_stream())))
         elif not (func.is_view and args and _same_storage(out, args[0])) and self.reason is None:
             self.reason = f"it runs {func} outside its launches"     # (contiguous counts as a view: it may copy)
         return out
 
-    def launched(self, kind: str, kernel, grid, arguments) -> None:
-        """A launch of the call: Triton's compiled kernel (anything else, the interpreter's None
-        included, cannot be replayed) or a cuTile kernel, with its grid and arguments."""
+    def launched(self, kind: str, kernel, grid, arguments, stream: int) -> None:
+        """A launch of the call on `stream` (a raw handle): Triton's compiled kernel (anything else, the
+        interpreter's None included, cannot be replayed) or a cuTile kernel, with its grid and arguments."""
         if kind == "triton" and not hasattr(kernel, "packed_metadata"):
             self.reason = self.reason or "a Triton launch gave no compiled kernel"
-        self.launches.append((kind, kernel, tuple(grid) + (1,) * (3 - len(grid)), tuple(arguments)))
+        self.launches.append((kind, kernel, tuple(grid) + (1,) * (3 - len(grid)), tuple(arguments),
+                              self._index(stream)))
+
+    def waited(self, stream: torch.cuda.Stream, on: torch.cuda.Stream) -> None:
+        """`stream` waited for `on` (kda_opt/launch.wait): replayed as such, between the same launches."""
+        pair = []
+        for x in (stream, on):
+            pair.append(self._index(x.cuda_stream, known=False))
+            self.waited_on[pair[-1]] = x
+        self.launches.append(("wait", None, None, tuple(pair), None))
+
+    def _index(self, stream: int, known: bool = True) -> int:
+        """The index of the raw stream handle `stream` in self.streams (appended where new: a stream
+        the call runs work on must be its own or one it waited on or for, unless not `known`)."""
+        if stream in self.streams:
+            return self.streams.index(stream)
+        if known:
+            self.reason = self.reason or "a launch runs on a stream the call neither runs on nor waits on"
+        self.streams.append(stream)
+        return len(self.streams) - 1
 
     def bound(self, outputs: tuple) -> "Bound":
         """The Bound that replays this run, whose results were `outputs` (tensors or None); raises
@@ -154,8 +183,14 @@ class Bound:
         # replayed through the driver (fastpath.CutileReplay), its fills the address indices of the
         # tensors it replaces in order; a copy's fills its two tensors' indices (a constant source as itself).
         self.launches = []
-        for kind, kernel, grid, arguments in recording.launches:
+        # The streams a replay runs on: the caller's current one (then) in place of the recorded call's,
+        # the others (the package's side streams) as they were.
+        self.side_streams = [recording.waited_on[i] for i in range(1, len(recording.streams))]
+        for kind, kernel, grid, arguments, stream in recording.launches:
             fills = []
+            if kind == "wait":
+                self.launches.append((kind, None, None, arguments, None, None))
+                continue
             if kind == "triton":
                 template = list(arguments)
                 for n, x in enumerate(arguments):
@@ -166,7 +201,7 @@ class Bound:
                         else:                           # filled in on each replay: the recorded call's
                             template[n] = None          # tensor is not kept (nor its memory)
                             fills.append((n, how))
-                self.launches.append((kind, kernel, grid, template, fills))
+                self.launches.append((kind, kernel, grid, template, fills, stream))
             elif kind == "cutile":
                 replaced = []
                 for n, x in enumerate(arguments):
@@ -177,9 +212,9 @@ class Bound:
                     replay = fastpath.CutileReplay(kernel, grid, arguments, tuple(replaced))
                 except fastpath.ReplayError as e:
                     raise Unbindable(f"its cuTile launch cannot be replayed: {e}") from None
-                self.launches.append((kind, replay, None, None, fills))
+                self.launches.append((kind, replay, None, None, fills, stream))
             else:
-                self.launches.append((kind, None, None, None, [source(x, True) for x in arguments]))
+                self.launches.append((kind, None, None, None, [source(x, True) for x in arguments], stream))
         self.outputs = tuple(None if y is None else source(y, True) for y in outputs)
 
     def __call__(self, inputs: tuple):
@@ -202,18 +237,22 @@ class Bound:
             if (a, dtype) not in typed:
                 typed[a, dtype] = allocations[a].view(torch.uint8).view(dtype)
             tensors.append(typed[a, dtype].as_strided(shape, stride, offset))
-        stream = launch.current_stream()
-        for kind, kernel, grid, template, fills in self.launches:
+        streams = [torch.cuda.current_stream(device), *self.side_streams] if self.side_streams else None
+        handles = [launch.current_stream(), *(x.cuda_stream for x in self.side_streams)]
+        for kind, kernel, grid, template, fills, stream in self.launches:
             if kind == "triton":
                 arguments = template.copy()
                 for n, p in fills:
                     arguments[n] = addresses[p]
-                fastpath.run_compiled(kernel, grid, stream, arguments)
+                fastpath.run_compiled(kernel, grid, handles[stream], arguments)
             elif kind == "cutile":
-                kernel(stream, [addresses[p] for p in fills])
+                kernel(handles[stream], [addresses[p] for p in fills])
+            elif kind == "wait":
+                streams[template[0]].wait_stream(streams[template[1]])
             else:
                 source = fills[1]
-                tensors[fills[0]].copy_(source[1] if isinstance(source, tuple) else tensors[source])
+                with torch.cuda.stream(streams[stream]) if stream else contextlib.nullcontext():
+                    tensors[fills[0]].copy_(source[1] if isinstance(source, tuple) else tensors[source])
         return tuple(None if t is None else tensors[t] for t in self.outputs)
 
 

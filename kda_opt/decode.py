@@ -3,7 +3,8 @@ pool in place. Per request n and value head h, state S [K, V] fp32 from its star
     a = max(log-decay of g_t, floor)   (kda_opt/gate.log_decay: the prefill's activation and floor)
     S ← Diag(exp a) S;  u = β_t (v_t − Sᵀ k_t);  S ← S + k_t uᵀ;  o_t = Sᵀ (scale · q_t)
 (q_t, k_t L2-normalised first with l2norm; β_t = β_scale · sigmoid(beta_t) with logits), then S to
-its row(s). One program per (request, value head, V block of BV columns): its state block is read
+its row(s). One program per (request, value head, V block of BV columns; for V-first fp32 states a
+(request, head)'s blocks are neighbouring programs, which read its rows together): its state block is read
 once and written once (per token only where the caller asks for each token's state), so a step
 moves the state's bytes and little else: the recurrence as FLA's `fused_recurrent_kda` computes it
 (its decode kernel), not the chunked form.
@@ -42,7 +43,7 @@ def decode_kernel(
     MODE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, V_FIRST: tl.constexpr, PACKED: tl.constexpr, READ: tl.constexpr,
     WRITE: tl.constexpr, COLUMNS: tl.constexpr, ACCEPTED: tl.constexpr, PAD: tl.constexpr, HAS_MASK: tl.constexpr,
-    SINGLE: tl.constexpr,
+    SINGLE: tl.constexpr, BLOCKS_FIRST: tl.constexpr,
 ):
     # READ (kda_opt/options.Read): zeros, dense row n, or pool row indices[n, accepted[n] − 1] (column
     # 0 without accepted); with HAS_MASK zeros where has_state[n] is false. WRITE (options.Write):
@@ -50,8 +51,11 @@ def decode_kernel(
     # indices[n, t] after each token t (speculative verify). SINGLE: only the sequences of one token
     # (kda_forward's, where a packed call leaves them to this kernel); a program of any other reads,
     # computes and writes nothing.
-    i_nh, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    i_n, i_hv = i_nh // HV, i_nh % HV
+    if BLOCKS_FIRST:    # grid (V / BV, HV, N): a (request, head)'s V blocks are neighbouring programs
+        i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    else:               # grid (N·HV, V / BV)
+        i_nh, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     if PACKED:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -142,7 +146,8 @@ def decode(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial
     sq, sk, sv, sg, sb, so = (x.stride() for x in (q, k, v, g, beta, o))
     # decode_kernel's parameters in order (a decode step's host time is mostly its launch's).
     triton_launch(
-        decode_kernel, (plan.N * plan.HV, plan.V // plan.block_v), kernels,
+        decode_kernel, (plan.V // plan.block_v, plan.HV, plan.N) if plan.blocks_first
+        else (plan.N * plan.HV, plan.V // plan.block_v), kernels,
         q, k, v, g, beta, A_log, dt_bias, o,
         stand_in if initial_state is None else initial_state, stand_in if final_state is None else final_state,
         cu_seqlens, indices, accepted, has_initial_state,
@@ -154,7 +159,7 @@ def decode(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial
         plan.H, plan.HV, plan.K, plan.V, plan.block_v, gate_mode(plan.gate), A_log is not None, dt_bias is not None,
         plan.l2norm, plan.beta_sigmoid or 0.0, plan.state_v_first, plan.packed, plan.read, plan.write, plan.columns,
         accepted is not None, plan.pad_slot is not None, has_initial_state is not None, plan.single,
-        num_warps=plan.num_warps,
+        plan.blocks_first, num_warps=plan.num_warps,
     )
     return o
 
@@ -260,9 +265,13 @@ def run(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial_st
 
 def _token_rows(x):
     """x [B, T, heads(, channels)] as the kernel reads it: channels dense and token rows evenly spaced
-    through the batch (row n·T + t at (n·T + t) · stride(1)); else a contiguous copy."""
+    through the batch (row n·T + t at (n·T + t) · stride(1)); else a contiguous copy. One token per
+    request (T = 1): the rows are stride(0) apart, whatever stride(1) says (SGLang's decode views
+    of one fused projection, [N, 1, H, K], are read in place)."""
     if x.is_contiguous():
         return x
     B, T = x.shape[:2]
+    if T == 1:
+        x = x.as_strided(x.shape, (x.stride(0), x.stride(0), *x.stride()[2:]))
     dense = x.dim() == 3 or x.stride(-1) == 1
     return x if dense and (B == 1 or x.stride(0) == T * x.stride(1)) else x.contiguous()

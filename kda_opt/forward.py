@@ -15,9 +15,9 @@ call unbindable is then bound (kda_opt/bound): its launches recorded once and re
 `launch`, inside an NVTX range of the `kda_opt` domain where KDA_OPT_NVTX=1 asks for them; nothing
 here waits on the device.
 
-A call runs in one pass, or in time segments or parallel segments, as kda_opt/plan.schedule_of resolves
-it once per call (from the plan and, for packed sequences, their host copy); `run` dispatches on that,
-and kda_opt/schedules runs the segments.
+A call runs in one pass, in time segments or parallel segments, or with its longest packed sequence
+ahead, as kda_opt/plan.schedule_of resolves it once per call (from the plan and, for packed
+sequences, their host copy); `run` dispatches on that, and kda_opt/schedules runs the others.
 """
 import contextlib
 import functools
@@ -35,9 +35,10 @@ from .gate import gate_cumsum
 from .intra import intra_chunk
 from .launch import Kernels, annotated, direct, nvtx_enabled, one_allocation
 from .options import CHUNK
-from .plan import OnePass, ParallelSegments, Pieces, Plan, TimeSegments, Tuning, make_plan, plan_for, schedule_of
-from .schedules import final_states, parallel, parallel_packed, pipelined
-from .seqs import block_offsets, longest_first, packed, phased
+from .plan import (Ahead, Entry, OnePass, ParallelSegments, Pieces, Plan, TimeSegments, Tuning, make_plan, plan_for,
+                   schedule_of, takes_ahead)
+from .schedules import final_states, longest_ahead, parallel, parallel_packed, pipelined
+from .seqs import ahead_layout, block_offsets, longest_first, packed, phased
 from .tables import units
 from .wuso import wuso
 
@@ -138,8 +139,9 @@ def kda_forward(
             here, without a host-device synchronisation; one sequence (N = 1), known so to span
             all T tokens, runs as the fixed-length call of B = 1 does (a long one in time or
             parallel segments, docs/DESIGN.md), and a long sequence among others in parallel
-            segments where they pay; without it the device values are trusted unseen and every
-            sequence runs in one pass.
+            segments where they pay, or ahead of the others (its stage 4 beside their stages 1–3:
+            docs/DESIGN.md, "The longest ahead"); without it the device values are trusted unseen
+            and every sequence runs in one pass.
         chunk_size: 64, the only size this engine computes (kda_opt/options.CHUNK).
         transpose_state_layout: FLA's deprecated name of ``state_v_first`` (a DeprecationWarning;
             passing both is an error).
@@ -217,12 +219,16 @@ def kda_forward(
     """
     arguments = dict(locals())      # every argument by name, in the order of this signature: their one list
     entry = plan_for(arguments)
+    if takes_ahead(entry.plan, cu_seqlens_cpu):     # its launches the same for any lengths: bound
+        entry.ahead = entry.ahead or Entry(entry.plan)
+        return bound.call(entry.ahead, _INPUTS(arguments), functools.partial(_run, entry.ahead, arguments, ahead=True))
     return bound.call(entry, _INPUTS(arguments), functools.partial(_run, entry, arguments), entry.plan.unbindable)
 
 
-def _run(entry, arguments: dict):
-    """run() of a call's plan entry on its arguments (kda_forward's, by name)."""
-    return run(entry.plan, *_RUN_INPUTS(arguments), kernels=entry.kernels)
+def _run(entry, arguments: dict, ahead: bool = False):
+    """run() of a call's plan entry on its arguments (kda_forward's, by name); ahead: its longest
+    sequence ahead (plan.takes_ahead)."""
+    return run(entry.plan, *_RUN_INPUTS(arguments), kernels=entry.kernels, ahead=ahead)
 
 
 # The host copies, which the custom op does not take (kda_opt/op): it validates the call when it runs.
@@ -235,7 +241,7 @@ _INPUTS = operator.itemgetter(*(n for n, p in PARAMETERS.items() if "Tensor" in 
 
 def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=None, cu_seqlens=None,
         initial_state_indices=None, has_initial_state=None, checkpoints=None, checkpoint_offsets=None,
-        cu_seqlens_cpu=None, *, launch=None, kernels: Kernels | None = None, made=None):
+        cu_seqlens_cpu=None, *, launch=None, kernels: Kernels | None = None, made=None, ahead: bool = False):
     """The forward of a plan made from these inputs (make_plan): (o, final state or None).
     launch(name, launcher, *args, **kwargs) runs each stage's launcher (names: seqs, gate, intra,
     wuso; None: directly, or inside an NVTX range where KDA_OPT_NVTX asks for them, kda_opt/launch);
@@ -243,11 +249,12 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
     kernels (kda_opt/launch; None: every launch through the JIT). made: stages 1–3's outputs over
     these tokens, computed before (Prepared; a plan of one time segment, without checkpoint offsets).
     cu_seqlens_cpu: the host copy, from which packed sequences are cut where plan.parallel_cut says
-    and the stages' launches sized where plan.sized_launches says."""
+    and the stages' launches sized where plan.sized_launches says. ahead: the longest packed sequence
+    runs ahead (plan.takes_ahead, asked by the caller; the host copy is then not read)."""
     ranges = nvtx_enabled()
     launch = launch or (annotated if ranges else direct)
     schedule = schedule_of(plan, q.device, cu_seqlens_cpu,
-                           lambda: q.is_cuda and torch.cuda.is_current_stream_capturing())
+                           lambda: q.is_cuda and torch.cuda.is_current_stream_capturing(), ahead)
     q, k, v, g, beta, initial_state, A_log, dt_bias = _as_read(plan, q, k, v, g, beta, initial_state, A_log, dt_bias)
     cu_seqlens = cu_seqlens if plan.packed else None        # one sequence over [0, T]: the B = 1 call
     prepare = functools.partial(_stages_1_to_3, plan, launch, kernels, A_log=A_log, dt_bias=dt_bias)
@@ -265,7 +272,7 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
         seqs = rows = None
         if plan.checkpoint_offsets:
             seqs, rows = launch("seqs", phased, cu_seqlens, checkpoint_offsets, plan.T, plan.checkpoint_every, kernels)
-        elif plan.packed:
+        elif plan.packed and not isinstance(schedule, Ahead):        # (Ahead's layouts are its tables)
             seqs = launch("seqs", packed, cu_seqlens, plan.T, kernels, skip_single=one_pass.routed,
                           chunks=None if one_pass.counts is None else one_pass.counts.chunks)
         final = initial_state if plan.state_pool else final_states(plan, v) if plan.output_final_state else None
@@ -281,6 +288,10 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
                 o = parallel(plan, tables, *inputs, state, checkpoints, prepare, stage4)
             case Pieces(_, block_v, tables):
                 o = parallel_packed(plan, tables, block_v, *inputs, seqs, state, checkpoints, prepare, stage4)
+            case Ahead(segments, block_v, routed):
+                layout = functools.partial(launch, "seqs", ahead_layout, cu_seqlens, plan.T, kernels=kernels,
+                                           skip_single=routed)
+                o = longest_ahead(plan, segments, block_v, *inputs, cu_seqlens, state, routed, prepare, stage4, layout)
             case OnePass(counts, routed, ordered):
                 gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, seqs)
                 order = launch("seqs", longest_first, cu_seqlens, plan.T, kernels) if ordered else None
@@ -289,9 +300,9 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
                            else _checkpoint_rows(plan, checkpoints, seqs, kernels),
                            checkpoint_first=checkpoint_offsets, cu_seqlens=cu_seqlens, qk_rstd=rstd,
                            beta_residual=r, decoded=routed)
-                if routed:                      # the sequences of one token: their o rows and states
-                    launch("decode", decode, plan.decode, q, k, v, g, beta, A_log, dt_bias, initial_state,
-                           final, cu_seqlens, initial_state_indices, None, o, has_initial_state, kernels=kernels)
+        if isinstance(schedule, (OnePass, Ahead)) and schedule.routed:   # the sequences of one token: o rows, states
+            launch("decode", decode, plan.decode, q, k, v, g, beta, A_log, dt_bias, initial_state, final, cu_seqlens,
+                   initial_state_indices, None, o, has_initial_state, kernels=kernels)
         return o, None if plan.state_pool else final
 
 
@@ -372,12 +383,13 @@ def _checkpoint_rows(plan: Plan, checkpoints, seqs, kernels):
     return block_offsets(seqs.cu_seqlens, plan.T, plan.checkpoint_every, kernels)
 
 
-def _stages_1_to_3(plan: Plan, launch, kernels, q, k, g, beta, seqs=None, *, A_log, dt_bias):
+def _stages_1_to_3(plan: Plan, launch, kernels, q, k, g, beta, seqs=None, *, A_log, dt_bias, out=None):
     """Stages 1–3 over q, k, g, beta [B, T, ...] (seqs: their layout, whose chunks they compute;
     None: B sequences of T tokens): Γ, Aqk, Tm, β's residual r [B, HV, T] (plan.beta_residual, else
-    None) and the q/k norms [2, B, H, T] (plan.l2norm, else None), views of one allocation."""
+    None) and the q/k norms [2, B, H, T] (plan.l2norm, else None), views of one allocation; out: such
+    a tuple to write the chunks into (the rows of the others are left as they are), None: a new one."""
     B, T, H, _ = q.shape
-    gcum, Aqk, Tm, r, rstd = one_allocation(
+    gcum, Aqk, Tm, r, rstd = out or one_allocation(
         q.device, ((B, T, plan.HV, plan.K), torch.float32), ((B, T, plan.HV, CHUNK), q.dtype),
         ((B, T, plan.HV, CHUNK), k.dtype), ((B, plan.HV, T), torch.float32) if plan.beta_residual else None,
         ((2, B, H, T), torch.float32) if plan.l2norm else None)   # 1 / ‖q‖, 1 / ‖k‖

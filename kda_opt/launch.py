@@ -53,15 +53,24 @@ def triton_launch(fn, grid, kernels: Kernels | None, *params, num_warps: int = 4
                                                             for x in params])
     recorder = _thread.recorder
     if recorder is not None:
-        recorder.launched("triton", kernel, grid, params)
+        recorder.launched("triton", kernel, grid, params, current_stream())
 
 
 def cutile_launch(grid, kernel, args) -> None:
     """ct.launch of a cuTile kernel on the current stream (reported to the thread's recorder)."""
+    stream = current_stream()
     recorder = _thread.recorder
     if recorder is not None:
-        recorder.launched("cutile", kernel, grid, args)
-    cutile(current_stream(), grid, kernel, args)
+        recorder.launched("cutile", kernel, grid, args, stream)
+    cutile(stream, grid, kernel, args)
+
+
+def wait(stream: torch.cuda.Stream, on: torch.cuda.Stream) -> None:
+    """`stream` waits for the work `on` has so far (reported to the thread's recorder, which replays it)."""
+    stream.wait_stream(on)
+    recorder = _thread.recorder
+    if recorder is not None:
+        recorder.waited(stream, on)
 
 
 cutile = ct.launch      # every cuTile launch of the package but the replayed ones (fastpath.CutileReplay)

@@ -5,7 +5,7 @@ decision, into one frozen value that kda_opt/forward runs; each stage takes the 
                                                argument, before any kernel runs (kda_opt/checks)
     what the options mean                      gate, scale, l2norm, beta_sigmoid, beta_residual, ...
     how the stages launch                      block_v, segments, parallel, parallel_cut, short_sequences,
-                                               intra_warps, worker_warps, decode (one-token sequences)
+                                               ahead, intra_warps, worker_warps, decode (one-token sequences)
 kda_decode's plan: make_decode_plan → DecodePlan (what its kernel reads and writes, its V block).
 Tuning holds the launch knobs; kda_forward takes its defaults, tests and scripts/bench_stages.py pass
 others. kda_forward makes a call signature's plan once (plan_for): the signature holds everything the
@@ -28,6 +28,11 @@ their transitions): one wave of (segment, value head) programs at the widest V b
 sequences whose lengths the call gives on the host (cu_seqlens_cpu) are cut so on every call where
 the longest is long enough (ParallelCut, cut_sequences): the plan, made once per signature, cannot
 hold lengths that change from call to call.
+
+The longest ahead. Packed sequences with their host copy whose longest is long run its stage 4 from
+the moment its own stages 1–3 are done, beside the others' (AheadRule, takes_ahead; kda_opt/schedules,
+"The longest ahead"); its launches do not depend on the lengths, so such calls are bound (their own
+Entry.ahead).
 """
 import math
 import warnings
@@ -67,6 +72,11 @@ class Tuning:
                                   # sequences): the longest sequences' programs first (kda_opt/seqs)
     sized_launches: bool = True   # packed, one pass, with cu_seqlens_cpu: the stages' grids sized from
                                   # the host lengths on each call outside graph capture (kda_opt/seqs.sequence_counts)
+    ahead: bool = True            # packed, one pass, with cu_seqlens_cpu: a call whose longest sequence has
+                                  # ahead_from tokens runs it ahead of the others (takes_ahead), bound
+    ahead_from: int = 4096
+    ahead_segments: int = 2       # in this many time segments
+    ahead_block_v: int | None = None  # its stage 4's V block; None: the call's (Plan.block_v)
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,17 @@ class ParallelCut:
     longest: int
     share: float
     block_v: int | None             # Tuning.block_v; None: block_v_for's choice for the call's segments
+
+
+@dataclass(frozen=True)
+class AheadRule:
+    """Packed sequences with their host copy: a call whose longest sequence has at least `longest`
+    tokens, among others, runs that one's stage 4 ahead of the others' stages 1–3 (takes_ahead,
+    kda_opt/schedules.longest_ahead), in `segments` time segments, each program `block_v` V columns
+    wide."""
+    longest: int
+    segments: int
+    block_v: int
 
 
 @dataclass(frozen=True)
@@ -119,6 +140,7 @@ class Plan(Sizes):
     short_sequences: bool         # packed: stage 4 reads a sequence of one chunk by element offsets
     longest_first: bool           # packed, one pass: stage 4's programs by descending sequence length
     sized_launches: bool          # packed, one pass, host lengths given: the stages' grids sized from them
+    ahead: AheadRule | None       # packed, one pass, host lengths: where the longest sequence runs ahead
     intra_warps: int
     worker_warps: int
     sms: int                      # the GPU's SM count the launches are chosen for
@@ -191,6 +213,7 @@ def make_plan(arguments: Mapping[str, Any], tuning: Tuning = Tuning(), sms: int 
     # (With checkpoint offsets a sequence of one chunk may be cut in two: stage 4's own launches.)
     short_sequences = packed and tuning.short_sequences and a.checkpoint_offsets is None
     packed_one_pass = packed and len(segments) == 1 and not parallel     # stage 4 once over the sequences
+    sized = packed_one_pass and short_sequences and tuning.sized_launches and a.cu_seqlens_cpu is not None
     return Plan(
         B=B, T=T, H=H, K=K, HV=HV, V=V, N=N, dtype=q.dtype,
         scale=K ** -0.5 if scale is None else scale,
@@ -214,7 +237,11 @@ def make_plan(arguments: Mapping[str, Any], tuning: Tuning = Tuning(), sms: int 
         # Stages 1–2 over the chunks there are, stage 4 without a launch that has no sequence of its
         # kind and its ordered long launch over the long sequences only: a program that would end at
         # once still costs its launch (stage 4's: one CTA per SM at a time).
-        sized_launches=packed_one_pass and short_sequences and tuning.sized_launches and a.cu_seqlens_cpu is not None,
+        sized_launches=sized,
+        # (Not with checkpoints: the segments would need their rows, which nothing hands them.)
+        ahead=AheadRule(max(tuning.ahead_from, CHUNK + 1), tuning.ahead_segments, tuning.ahead_block_v or block_v)
+        if packed_one_pass and short_sequences and a.cu_seqlens_cpu is not None and tuning.ahead
+        and a.checkpoints is None else None,
         intra_warps=tuning.intra_warps or warps_for(q.dtype), worker_warps=tuning.worker_warps, sms=sms,
         decode=_routed_decodes(Sizes(B, T, H, K, HV, V, N), scale, a.use_qk_l2norm_in_kernel, a.use_gate_in_kernel,
                                a.lower_bound, a.use_beta_sigmoid_in_kernel, a.allow_neg_eigval, state_v_first,
@@ -234,11 +261,12 @@ _OPTION_TYPES = frozenset((bool, int, float, type(None)))
 class Entry:
     """A call signature's plan, the table of its compiled Triton kernels (kda_opt/launch), and the call
     bound from a run of it (kda_opt/bound): `bound` once made, else `unbound` says why it cannot be
-    (None: not tried yet); `runs`: its calls run unbound so far."""
-    __slots__ = ("plan", "kernels", "bound", "unbound", "runs")
+    (None: not tried yet); `runs`: its calls run unbound so far; `ahead`: the entry of its calls that
+    run their longest sequence ahead (another run, bound on its own; None until one comes)."""
+    __slots__ = ("plan", "kernels", "bound", "unbound", "runs", "ahead")
 
     def __init__(self, plan):
-        self.plan, self.kernels, self.bound, self.unbound, self.runs = plan, Kernels(), None, None, 0
+        self.plan, self.kernels, self.bound, self.unbound, self.runs, self.ahead = plan, Kernels(), None, None, 0, None
 
 
 def plan_for(arguments: dict) -> Entry:
@@ -336,6 +364,14 @@ class ParallelSegments(NamedTuple):
     tables: SegmentTables                       # their device tables
 
 
+class Ahead(NamedTuple):
+    """Packed sequences, the longest one's stage 4 ahead of the others' stages 1–3 (takes_ahead), its
+    layouts made on the device (kda_opt/seqs.ahead_layout)."""
+    segments: int         # its time segments
+    block_v: int          # its stage 4's V block
+    routed: bool          # as OnePass's
+
+
 class Pieces(NamedTuple):
     """Packed sequences, the long ones cut into parallel segments on this call (cut_sequences)."""
     pieces: tuple[tuple[int, int, int], ...]    # (sequence, t0, t1), every sequence's rows in order
@@ -343,15 +379,19 @@ class Pieces(NamedTuple):
     tables: PieceTables                         # their device tables
 
 
-Schedule = OnePass | TimeSegments | ParallelSegments | Pieces
+Schedule = OnePass | TimeSegments | ParallelSegments | Pieces | Ahead
 
 
-def schedule_of(plan: "Plan", device: torch.device, cu_seqlens_cpu=None, capturing=lambda: False) -> Schedule:
+def schedule_of(plan: "Plan", device: torch.device, cu_seqlens_cpu=None, capturing=lambda: False,
+                ahead: bool = False) -> Schedule:
     """How kda_opt/forward runs a call of `plan` on `device`: what the plan fixed, with its segments'
     or pieces' device tables (kda_opt/tables), and for packed sequences what their host copy
     (cu_seqlens_cpu) says on this call: whether the long ones are cut (plan.parallel_cut) and the
     launches' sizes (plan.sized_launches; not while capturing() says a CUDA graph is being captured,
-    whose replays may see other lengths)."""
+    whose replays may see other lengths). ahead: the call's longest sequence runs ahead (takes_ahead,
+    which the caller asks first: the call may then be bound)."""
+    if ahead:
+        return Ahead(plan.ahead.segments, plan.ahead.block_v, plan.decode is not None)
     if plan.parallel:
         return ParallelSegments(plan.segments, segment_tables(device, plan.segments, plan.checkpoint_every, plan.HV,
                                                               plan.K))
@@ -367,6 +407,20 @@ def schedule_of(plan: "Plan", device: torch.device, cu_seqlens_cpu=None, capturi
     routed = plan.decode is not None
     sized = plan.sized_launches and not capturing()
     return OnePass(sequence_counts(cu_seqlens_cpu, routed) if sized else None, routed, plan.longest_first)
+
+
+def takes_ahead(plan: "Plan", cu_seqlens_cpu) -> bool:
+    """Whether a call of `plan` with the host copy cu_seqlens_cpu (or None) runs its longest packed
+    sequence ahead (plan.ahead): one of at least its rule's tokens among others (at most RANK_MAX
+    sequences: the others' order is kda_opt/seqs.longest_first's), and no cut."""
+    rule = plan.ahead
+    if rule is None or cu_seqlens_cpu is None:
+        return False
+    bounds = cu_seqlens_cpu.tolist()
+    longest = max(t1 - t0 for t0, t1 in zip(bounds, bounds[1:]))
+    cut = plan.parallel_cut
+    return 2 < len(bounds) <= RANK_MAX + 1 and longest >= rule.longest and (
+        cut is None or cut_sequences(bounds, plan.HV, cut, plan.sms) is None)
 
 
 # Packed sequences are cut into parallel segments where the longest has at least CUT_FROM tokens and
@@ -424,6 +478,8 @@ class DecodePlan(Sizes):
     single: bool                  # only the sequences of one token (a packed kda_forward call's)
     block_v: int
     num_warps: int
+    blocks_first: bool            # the grid (V / BV, HV, N), a (request, head)'s V blocks neighbouring
+                                  # programs (V-first fp32 states, N ≤ GRID_AXIS_MAX); else (N·HV, V / BV)
 
 
 def make_decode_plan(arguments: Mapping[str, Any], sms: int | None = None) -> DecodePlan:
@@ -479,34 +535,33 @@ def _decode_plan(sizes: Sizes, scale, l2norm, gate_in_kernel, lower_bound, beta_
                  sms, state_itemsize, **access) -> "DecodePlan":
     """A DecodePlan from checked options; `access`: what it reads and writes (DecodePlan's fields);
     state_itemsize: the bytes of one element of the states it reads and writes."""
-    block_v, num_warps = decode_launch(sizes.N * sizes.HV, sizes.V, state_itemsize, v_first, sms)
+    block_v, num_warps = decode_launch(sizes.N * sizes.HV, sizes.V, v_first, sms)
     return DecodePlan(
         **vars(sizes), scale=sizes.K ** -0.5 if scale is None else scale,
         gate=GateConfig(in_kernel=gate_in_kernel, lower_bound=lower_bound), l2norm=l2norm,
         beta_sigmoid=_beta_sigmoid(beta_sigmoid, neg_eigval), state_v_first=v_first, packed=packed,
-        block_v=block_v, num_warps=num_warps, **access)
+        block_v=block_v, num_warps=num_warps,
+        # Measured for fp32 states only (16-bit ones not yet timed so).
+        blocks_first=v_first and state_itemsize == 4 and sizes.N <= GRID_AXIS_MAX, **access)
 
 
-def decode_launch(heads: int, V: int, state_itemsize: int, v_first: bool, sms: int) -> tuple[int, int]:
+def decode_launch(heads: int, V: int, v_first: bool, sms: int) -> tuple[int, int]:
     """kda_decode's (V columns, warps) per program of (request, value head): a step is the state's
     bytes (kda_opt/decode), and what it leaves to hide is the reductions over K of each token. The
     fastest measured (docs/DESIGN.md, Decode), on `heads` (request, value head) pairs:
-    - K-first states (a block's columns dense in memory): 64 columns by 2 warps (each thread 128 of
-      the block's elements) wherever that gives every SM a program (16 columns are 64-byte pieces of
-      128 rows);
-    - V-first fp32 states: 64 columns by 2 warps where that gives every SM DECODE_PROGRAMS programs;
-    - otherwise, and for V-first 16-bit states, 16 columns by one warp (the reductions within the
-      warp, and more programs to spread a small step)."""
-    if not v_first:
-        enough = sms
-    elif state_itemsize == 4:
-        enough = DECODE_PROGRAMS * sms
-    else:
-        return 16, 1
-    return (64, 2) if heads * (V // 64) >= enough else (16, 1)
+    - K-first states (a block's columns dense in memory): 64 columns by 2 warps wherever that gives
+      every SM a program (16 columns are 64-byte pieces of 128 rows);
+    - otherwise, and for every V-first state, 16 columns by one warp (the reductions within the
+      warp, and more programs to spread a small step); V-first fp32 ones with a (request, head)'s V
+      blocks as neighbouring programs (DecodePlan.blocks_first)."""
+    if not v_first and heads * (V // 64) >= sms:
+        return 64, 2
+    return 16, 1
 
 
-DECODE_PROGRAMS = 32
+# A grid's second and third axes stop here: decode's grid puts the requests on its third with
+# blocks_first.
+GRID_AXIS_MAX = 65535
 
 
 def decode_plan_for(arguments: dict) -> Entry:

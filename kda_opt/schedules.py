@@ -24,7 +24,17 @@ pieces, and each pass runs the run of pieces it needs (parallel_packed). Three p
 (segment, head) program at once, against one pass whose chain is the longest sequence. The result is
 that of one pass up to the rounding of M's 16-bit product operands, within one pass's error against
 the float64 recurrence (tests/test_parallel.py).
+
+The longest ahead (kda_opt/plan.takes_ahead decides it, from packed sequences' host copy): in
+one pass the longest sequence's stage-4 chain, the call's critical path, starts only when stages 1–3
+have run over every sequence. Here stages 1–3 run first over the longest sequence's time segments, one
+after another on the caller's stream, each segment's stage 4 on a side stream of high priority as soon
+as its own stages 1–3 are done (the segments' states handed on in fp32, as time segments do), then
+stages 1–3 and stage 4 of the other sequences on the caller's stream, beside that chain on the SMs it
+leaves. The same numbers as one pass: every chunk's stages 1–3 and every sequence's chain are the
+same arithmetic.
 """
+import contextlib
 import functools
 import math
 
@@ -32,6 +42,8 @@ import torch
 
 from .merge import merge
 from .options import state_shape
+from .launch import wait
+from .seqs import Counts
 from .tables import PieceTables, SegmentTables
 
 
@@ -171,8 +183,64 @@ def _state_row(plan) -> tuple[int, int, int]:
 
 
 @functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
+def _side_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
+    """The package's side stream on `device` of this priority (lower: its blocks are scheduled first)."""
+    return torch.cuda.Stream(device, priority=priority)
+
+
+def longest_ahead(plan, segments: int, block_v: int, q, k, v, g, beta, cu_seqlens, state, routed, prepare, stage4,
+                  layout):
+    """o over packed sequences whose longest runs ahead (module docstring, "The longest ahead") in
+    `segments` time segments at stage 4's V block block_v; layout(segments, slots, has_initial_state)
+    makes their layouts (kda_opt/seqs.ahead_layout); routed: the others' sequences of one token are
+    kda_opt/decode's (the caller's to launch after). `state` holds stage 4's state arguments of the
+    whole call: the first segment reads the longest one's initial state, the last writes its final
+    one (at its slot: its pool row, or its row of a dense state), and between them the state is handed
+    on in fp32 (two one-row buffers in turn). The launches do not depend on the lengths, so the call
+    may be bound (kda_opt/bound). On a device without streams (the CPU of the tests), one after the
+    other."""
+    side = _side_stream(q.device, AHEAD_PRIORITY) if q.is_cuda else None
+    main = torch.cuda.current_stream(q.device) if side is not None else None
+    t = layout(segments, slots=state["slots"] if state["read_slots"] or state["write_slots"] else None,
+               has_initial_state=state["has_initial_state"])
+    o = torch.empty_like(v)
+    last = segments - 1
+    handed = [v.new_empty((1, *_state_row(plan)), dtype=torch.float32) for _ in range(min(last, 2))]
+    made = None
+    for i, seqs in enumerate(t.segments):
+        made = prepare(q, k, g, beta, seqs, out=made)
+        gcum, Aqk, Tm, r, rstd = made
+        initial = state["initial_state"] if i == 0 else handed[(i - 1) % 2]
+        final = state["final_state"] if i == last else handed[i % 2]
+        with _after(main, side):
+            stage4(q, k, v, gcum, Tm, Aqk, initial_state=initial, read_slots=i == 0 and initial is not None,
+                   has_initial_state=t.has_state if i == 0 else None, final_state=final,
+                   write_slots=i == last and final is not None, slots=t.slot, cu_seqlens=seqs.cu_seqlens,
+                   qk_rstd=rstd, beta_residual=r, out=o, block_v=block_v, short_sequences=False)
+    gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, t.rest, out=made)
+    # The others' long launch over the order (longest first), their short one over every sequence.
+    others = Counts(plan.N - 1, 1, t.rest.chunk_slots)
+    stage4(q, k, v, gcum, Tm, Aqk, **state, cu_seqlens=cu_seqlens, order=t.order, sequence_counts=others,
+           qk_rstd=rstd, beta_residual=r, decoded=routed, out=o)
+    if side is not None:
+        wait(main, side)
+    return o
+
+
+# The longest ahead's side stream: the highest priority, so that its chain's blocks go before the
+# waiting blocks of the caller's stream.
+AHEAD_PRIORITY = -1
+
+
+@contextlib.contextmanager
+def _after(main, side):
+    """Work on `side` after what the caller's stream `main` has so far (None: where it is)."""
+    if side is None:
+        yield
+        return
+    wait(side, main)
+    with torch.cuda.stream(side):
+        yield
 
 
 def pipelined(plan, segments, q, k, v, g, beta, state, checkpoints, prepare, stage4):

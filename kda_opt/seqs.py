@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import Kernels, triton_launch
+from .launch import Kernels, constant, one_allocation, triton_launch
 from .options import CHUNK
 
 BLOCK = 1024  # sequences per step of the offsets scan; slots per program of the index search
@@ -71,14 +71,15 @@ def fixed(T: int) -> Seqs:
 
 
 def packed(cu_seqlens: torch.Tensor, T: int, kernels: Kernels | None = None, *, skip_single: bool = False,
-           chunks: int | None = None) -> Seqs:
+           chunks: int | None = None, skip_at: torch.Tensor | None = None) -> Seqs:
     """The layout of sequences packed along T by cu_seqlens (validated by the caller). kernels: the
     plan's compiled kernels (kda_opt/launch), or None. skip_single: sequences of one token own no
     chunk (kda_opt/decode computes them). chunks: how many chunks the table holds, counted on the
-    host (sequence_counts), for a grid of that many slots (at least one); None: the bound."""
+    host (sequence_counts), for a grid of that many slots (at least one); None: the bound. skip_at:
+    [1] int32 on the device, a sequence that owns no chunk either (None: none)."""
     N = cu_seqlens.shape[0] - 1
     slots = -(-T // CHUNK) + N - 1 if chunks is None else max(chunks, 1)
-    offsets = block_offsets(cu_seqlens, T, CHUNK, kernels, skip_single=skip_single)
+    offsets = block_offsets(cu_seqlens, T, CHUNK, kernels, skip_single=skip_single, skip_at=skip_at)
     indices = torch.empty(slots, 2, dtype=torch.int32, device=cu_seqlens.device)
     triton_launch(chunk_indices_kernel, (-(-slots // BLOCK),), kernels, offsets=offsets, indices=indices, N=N,
                   slots=slots, STEPS=N.bit_length(), BLOCK=BLOCK)
@@ -102,15 +103,58 @@ def phased(cu_seqlens: torch.Tensor, first: torch.Tensor, T: int, every: int,
 
 
 def block_offsets(cu_seqlens: torch.Tensor, T: int, size: int, kernels: Kernels | None = None, *,
-                  skip_single: bool = False) -> torch.Tensor:
+                  skip_single: bool = False, skip_at: torch.Tensor | None = None) -> torch.Tensor:
     """[N + 1] int32 on the device: Σ_{m<n} cdiv(len_m, size) for n = 0 .. N, the first row of each
     packed sequence in a table with a row per `size` tokens of each (chunks: size = CHUNK); with
-    skip_single, none for a sequence of one token."""
+    skip_single, none for a sequence of one token; none for sequence skip_at[0] ([1] int32 on the
+    device; None: none)."""
     N = cu_seqlens.shape[0] - 1
     offsets = torch.empty(N + 1, dtype=torch.int32, device=cu_seqlens.device)
-    triton_launch(chunk_offsets_kernel, (1,), kernels, cu_seqlens=cu_seqlens, offsets=offsets, N=N, T=T, size=size,
+    triton_launch(chunk_offsets_kernel, (1,), kernels, cu_seqlens=cu_seqlens, offsets=offsets,
+                  skip_at=_no_sequence(cu_seqlens.device) if skip_at is None else skip_at, N=N, T=T, size=size,
                   skip=int(skip_single), BLOCK=BLOCK)
     return offsets
+
+
+class AheadLayout(NamedTuple):
+    """A packed call's layouts when its longest sequence runs ahead (ahead_layout), on the device."""
+    segments: tuple[Seqs, ...]         # the longest sequence's time segments, each as one sequence
+    slot: torch.Tensor                 # [1] int32: where its state is read and written (its pool slot, or its row)
+    has_state: torch.Tensor | None     # [1] bool: its has_initial_state (None without one)
+    rest: Seqs                         # the other sequences' chunks
+    order: torch.Tensor                # [N − 1] int32: the other sequences, longest first
+
+
+def ahead_layout(cu_seqlens: torch.Tensor, T: int, segments: int, kernels: Kernels | None = None, *,
+                 slots: torch.Tensor | None = None, has_initial_state: torch.Tensor | None = None,
+                 skip_single: bool = False) -> AheadLayout:
+    """The layouts of packed sequences whose longest (the first of the most chunks: longest_first's
+    first) runs ahead in `segments` time segments of whole chunks from its first token, equal but the
+    last (some empty where it has fewer chunks): each segment a sequence of its own ([2] bounds as
+    cu_seqlens, its chunk table of a bound's slots), the slot its state is read from and written to
+    (slots[n] of a pool, else n), its has_initial_state, the others' chunk table (the one-token ones
+    left out with skip_single) and their order. Device launches only, sized by T and N: no host sync,
+    the same launches for any lengths."""
+    N = cu_seqlens.shape[0] - 1
+    per = -(-(-(-T // CHUNK)) // segments)   # a segment's chunks at most: cdiv(cdiv(T, C), segments)
+    per += per % 2                            # (even: each segment's table on a 16-byte boundary)
+    width = 16 // cu_seqlens.element_size()
+    bounds, indices, longest, slot, has = one_allocation(
+        cu_seqlens.device, ((segments, width), cu_seqlens.dtype), ((segments, per, 2), torch.int32),
+        ((1,), torch.int32), ((1,), torch.int32), None if has_initial_state is None else ((1,), torch.bool))
+    triton_launch(ahead_layout_kernel, (1,), kernels, cu_seqlens, slots, has_initial_state, bounds, indices, longest,
+                  slot, has, N, T, per, CHUNK, segments, width, BLOCK, slots is not None,
+                  has_initial_state is not None)
+    rest = packed(cu_seqlens, T, kernels, skip_single=skip_single, skip_at=longest)
+    order = longest_first(cu_seqlens, T, kernels)
+    return AheadLayout(tuple(Seqs(chunk_slots=per, cu_seqlens=bounds[s, :2], chunk_indices=indices[s])
+                             for s in range(segments)), slot, has, rest, order[1:])
+
+
+@functools.lru_cache(maxsize=16)
+def _no_sequence(device: torch.device) -> torch.Tensor:
+    """[−1] int32: block_offsets' skip_at that names no sequence (a package constant)."""
+    return constant(torch.full((1,), -1, dtype=torch.int32, device=device))
 
 
 def longest_first(cu_seqlens: torch.Tensor, T: int, kernels: Kernels | None = None) -> torch.Tensor:
@@ -134,20 +178,63 @@ def _bounds(cu_seqlens, n, T):
 
 
 @triton.jit(do_not_specialize=["skip"])
-def chunk_offsets_kernel(cu_seqlens, offsets, N, T, size, skip, BLOCK: tl.constexpr):
-    # offsets[n] = Σ_{m<n} cdiv(len_m, size), 0 for len_m = skip: one program, the scan carried
-    # across blocks of sequences. skip is an argument, not a constant: one plan's calls may differ
-    # in it (kda_opt/launch keeps one compiled kernel per plan), and 0 skips nothing.
+def chunk_offsets_kernel(cu_seqlens, offsets, skip_at, N, T, size, skip, BLOCK: tl.constexpr):
+    # offsets[n] = Σ_{m<n} cdiv(len_m, size), 0 for len_m = skip and for m = skip_at[0]: one program,
+    # the scan carried across blocks of sequences. skip is an argument, not a constant: one plan's
+    # calls may differ in it (kda_opt/launch keeps one compiled kernel per plan), and 0 skips nothing;
+    # so is skip_at's sequence (−1: none).
     tl.store(offsets, 0)
     carry = N * 0
+    skipped = tl.load(skip_at)
     for n0 in range(0, N, BLOCK):
         o_n = n0 + tl.arange(0, BLOCK)
         m_n = o_n < N
         bos, eos = _bounds(cu_seqlens, tl.where(m_n, o_n, 0), T)
         counts = tl.where(m_n, (eos - bos + size - 1) // size, 0).to(tl.int32)
-        counts = tl.where(eos - bos == skip, 0, counts)
+        counts = tl.where((eos - bos == skip) | (o_n == skipped), 0, counts)
         tl.store(offsets + o_n + 1, carry + tl.cumsum(counts, axis=0), mask=m_n)
         carry += tl.sum(counts, axis=0)
+
+
+@triton.jit
+def ahead_layout_kernel(cu_seqlens, slots, has_state, bounds, indices, longest, slot, has, N, T, PER,
+                        C: tl.constexpr, S: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr,
+                        HAS_SLOTS: tl.constexpr, HAS_MASK: tl.constexpr):
+    # One program. n: the first sequence of the most chunks (longest_first's first), found in blocks;
+    # its S segments of `per` chunks each (the last what is left; empty past its end), each [t0, t1]
+    # into bounds[s, :2] and its chunks (0, j), j < its count, into indices[s] (PER slots, spare ones
+    # (−1, 0)); n, its slot and its has_initial_state.
+    best = (N * 0 - 1).to(tl.int64)
+    n = (N * 0).to(tl.int64)
+    for n0 in range(0, N, BLOCK):
+        o_n = n0 + tl.arange(0, BLOCK)
+        m_n = o_n < N
+        bos, eos = _bounds(cu_seqlens, tl.where(m_n, o_n, 0), T)
+        counts = tl.where(m_n, (eos - bos + C - 1) // C, -1)
+        top = tl.max(counts, axis=0)
+        first = tl.min(tl.where(counts == top, o_n, N), axis=0).to(tl.int64)
+        n = tl.where(top > best, first, n)
+        best = tl.maximum(top, best)
+    bos, eos = _bounds(cu_seqlens, n, T)
+    per = (best + S - 1) // S
+    for s in tl.static_range(S):
+        t0 = tl.minimum(bos + s * per * C, eos)
+        t1 = tl.minimum(bos + (s + 1) * per * C, eos)
+        tl.store(bounds + s * WIDTH, t0.to(bounds.dtype.element_ty))
+        tl.store(bounds + s * WIDTH + 1, t1.to(bounds.dtype.element_ty))
+        used = (t1 - t0 + C - 1) // C
+        for j0 in range(0, PER, BLOCK):
+            o_j = j0 + tl.arange(0, BLOCK)
+            m_j = o_j < PER
+            tl.store(indices + (s * PER + o_j) * 2, tl.where(o_j < used, 0, -1), mask=m_j)
+            tl.store(indices + (s * PER + o_j) * 2 + 1, tl.where(o_j < used, o_j, 0), mask=m_j)
+    tl.store(longest, n.to(tl.int32))
+    if HAS_SLOTS:
+        tl.store(slot, tl.load(slots + n).to(tl.int32))
+    else:
+        tl.store(slot, n.to(tl.int32))
+    if HAS_MASK:
+        tl.store(has, tl.load(has_state + n))
 
 
 @triton.jit

@@ -13,6 +13,8 @@ How SGLang's calls map onto kda_opt's (SGLang's KDA backend, `kda_backend.py`):
   `h [1, NT, HV, V, K]` in k's dtype (`return_intermediate_states`: each request's state before each
   of its 64-token chunks) and the fp32 snapshot `track_state[n]` before chunk `track_chunk_idx[n]`.
 - decode: one token per request, gate and β sigmoid in kernel, the pool in place.
+- packed_decode (Kimi-Linear's decode on Hopper): the same, q, k, v still packed in the short
+  convolution's output `mixed_qkv`.
 - target_verify (chain): each draft token's state into `intermediate_states_buffer[row, t]`
   (`[rows, cache_steps, HV, V, K]`), the pool left alone.
 
@@ -54,10 +56,10 @@ def kernel_class():
 
     class KdaOptKDAKernel(TritonKDAKernel):
         """SGLang's KDA kernel on kda_opt: extend through kda_forward; decode (steps of up to
-        `decode_requests` requests) and chain verify (where `takes_verify`) through kda_decode, each
-        taken only where it measured at least SGLang's own kernel (docs/USAGE.md, "SGLang"); every other
-        call, and every call off Hopper or with head dims other than 64 and 128, through SGLang's
-        Triton kernel."""
+        `decode_requests` requests), packed decode (fp32 pools) and chain verify (where
+        `takes_verify`) through kda_decode, each taken only where it measured at least SGLang's own
+        kernel (docs/USAGE.md, "SGLang"); every other call, and every call off Hopper or with head
+        dims other than 64 and 128, through SGLang's Triton kernel."""
 
         decode_requests = DECODE_REQUESTS
         takes_verify = False
@@ -86,6 +88,19 @@ def kernel_class():
             return decode(q, k, v, a, b, A_log=A_log, dt_bias=dt_bias, ssm_states=ssm_states,
                           cache_indices=cache_indices, query_start_loc=query_start_loc, lower_bound=lower_bound)
 
+        def packed_decode(self, mixed_qkv, a, b, *, A_log, dt_bias, scale, ssm_states, cache_indices, num_v_heads,
+                          head_v_dim, lower_bound=None, **kwargs):
+            # The ReplaySSM ring and the 16-bit pools (not measured) are SGLang's kernel's.
+            if not (ssm_states.dtype == torch.float32 and lower_bound is None
+                    and all(kwargs.get(n) is None for n in REPLAYSSM)
+                    and takes(mixed_qkv, ssm_states, ssm_states.shape[-1], head_v_dim)):
+                return super().packed_decode(mixed_qkv, a, b, A_log=A_log, dt_bias=dt_bias, scale=scale,
+                                             ssm_states=ssm_states, cache_indices=cache_indices,
+                                             num_v_heads=num_v_heads, head_v_dim=head_v_dim, lower_bound=lower_bound,
+                                             **kwargs)
+            return packed_decode(mixed_qkv, a, b, A_log=A_log, dt_bias=dt_bias, scale=scale, ssm_states=ssm_states,
+                                 cache_indices=cache_indices, num_v_heads=num_v_heads, head_v_dim=head_v_dim)
+
         def target_verify(self, A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, query_start_loc,
                           intermediate_states_buffer, intermediate_state_indices, cache_steps,
                           retrieve_parent_token, lower_bound=None, **kwargs):
@@ -112,11 +127,20 @@ def kernel_class():
 DECODE_REQUESTS = 64
 
 
+# SGLang's packed-decode keywords of its ReplaySSM ring, whose calls stay SGLang's.
+REPLAYSSM = ("replayssm_d", "replayssm_k", "replayssm_g", "replayssm_write_pos")
+
+
 def computes(q: torch.Tensor, v: torch.Tensor, ssm_states: torch.Tensor) -> bool:
     """Whether kda_opt computes an SGLang call on these tensors: on Hopper, q of a dtype and q, v of
     head dims it takes, a pool of a dtype it takes."""
-    return (_on_hopper(q.device) and q.dtype in SUPPORTED_DTYPES and ssm_states.dtype in SUPPORTED_DTYPES
-            and q.shape[-1] in SUPPORTED_HEAD_DIMS and v.shape[-1] in SUPPORTED_HEAD_DIMS)
+    return takes(q, ssm_states, q.shape[-1], v.shape[-1])
+
+
+def takes(x: torch.Tensor, ssm_states: torch.Tensor, K: int, V: int) -> bool:
+    """computes' test for the tokens x (q, or the packed mixed_qkv) of head dims K and V."""
+    return (_on_hopper(x.device) and x.dtype in SUPPORTED_DTYPES and ssm_states.dtype in SUPPORTED_DTYPES
+            and K in SUPPORTED_HEAD_DIMS and V in SUPPORTED_HEAD_DIMS)
 
 
 def _gate(A_log, dt_bias, lower_bound) -> dict:
@@ -133,13 +157,15 @@ def extend(q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, A_lo
     (module docstring); the pool and track_state written in place.
 
     The host lengths (extend_seq_lens_cpu) go to kda_forward only where they choose its schedule: one
-    request (which then runs as one sequence, in parallel segments where they pay), or a request long
-    enough to be cut (plan.CUT_FROM); any other call is bound (its launches replayed) without them."""
-    cu_seqlens_cpu = None
-    if extend_seq_lens_cpu is not None and (len(extend_seq_lens_cpu) == 1
-                                            or max(extend_seq_lens_cpu) >= plan.CUT_FROM):
-        cu_seqlens_cpu = torch.tensor([0, *extend_seq_lens_cpu]).cumsum(0)
+    request (which then runs as one sequence, in parallel segments where they pay), a request long
+    enough to be cut (plan.CUT_FROM) or, without per-chunk states, to run ahead of the others
+    (plan.takes_ahead: bound); any other call is bound (its launches replayed) without them."""
     states = track_state is not None or return_intermediate_states
+    lengths = extend_seq_lens_cpu
+    cu_seqlens_cpu = None
+    if lengths is not None and (len(lengths) == 1 or max(lengths) >= plan.CUT_FROM
+                                or not states and max(lengths) >= plan.Tuning.ahead_from):
+        cu_seqlens_cpu = torch.tensor([0, *lengths]).cumsum(0)
     h = checkpoints = None
     if states:
         # The pool's rows before the call, which overwrites them: each request's state before its first chunk.
@@ -199,6 +225,23 @@ def decode(q, k, v, a, b, *, A_log, dt_bias, ssm_states, cache_indices, query_st
     to pool[cache_indices[n]] (−1: zeros, nothing written)."""
     return _decode(q, k, v, a, b, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                    query_start_loc=query_start_loc, pool=ssm_states, indices=cache_indices)
+
+
+def packed_decode(mixed_qkv, a, b, *, A_log, dt_bias, scale, ssm_states, cache_indices, num_v_heads, head_v_dim):
+    """SGLang's packed decode (Kimi-Linear's on Hopper) through kda_decode: one token per request,
+    q, k, v read in place from the short convolution's output mixed_qkv [N, 2·H·K + HV·V] (batched
+    views [N, 1, heads, K]), the gate a [N, HV·K] and β logits b [N, HV] (or their 3-d forms); each
+    request's state read from and written to pool[cache_indices[n]] (−1: zeros, nothing written):
+    o [1, N, HV, V]."""
+    N, K = mixed_qkv.shape[0], ssm_states.shape[-1]
+    H = (mixed_qkv.shape[-1] - num_v_heads * head_v_dim) // (2 * K)
+    q, k, v = (x.unflatten(-1, (-1, d)).unsqueeze(1) for x, d in zip(
+        mixed_qkv.split([H * K, H * K, num_v_heads * head_v_dim], dim=-1), (K, K, head_v_dim)))
+    o, _ = kda_decode(q, k, v, a.reshape(N, 1, num_v_heads, K), b.reshape(N, 1, num_v_heads), scale=scale,
+                      initial_state=ssm_states, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                      **_gate(A_log, dt_bias, None), state_v_first=True, inplace_final_state=True,
+                      ssm_state_indices=cache_indices)
+    return o.transpose(0, 1)
 
 
 def verify(q, k, v, a, b, *, A_log, dt_bias, ssm_states, cache_indices, query_start_loc,

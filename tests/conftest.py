@@ -21,6 +21,18 @@ NO_TWO_GPUS = "needs two CUDA GPUs"
 NO_CUDA_BUILD = "needs torch built with CUDA (a CPU-only build makes no CUDA tensors, fake ones included)"
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def compile_env() -> dict:
+    """The environment of a subprocess that compiles kernels for sm_90 without a GPU: this one's
+    without TRITON_INTERPRET (which Triton applies to every compile in a process that has it), the
+    project root and scripts/ on PYTHONPATH."""
+    env = {n: x for n, x in os.environ.items() if n != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (ROOT, os.path.join(ROOT, "scripts"), env.get("PYTHONPATH"))))
+    return env
+
+
 def gpu(test):
     """A test that needs a CUDA GPU: marked `gpu` (`pytest -m gpu` selects these), skipped without one."""
     return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason=NO_GPU)(test))

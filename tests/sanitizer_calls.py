@@ -18,8 +18,9 @@ import torch
 
 from kda_bench.inputs import random_inputs
 from kda_opt import kda_decode, kda_forward
-from kda_opt.forward import Prepared
-from kda_opt.plan import DECODE_PROGRAMS, Tuning
+from kda_opt.forward import RUN_TENSORS, Prepared, run
+from kda_opt.plan import Tuning, takes_ahead
+from tests.stage_inputs import plan_of
 from tests.test_forward import run_tuned
 
 H, K = 2, 128
@@ -27,9 +28,9 @@ MIXED = [1, 63, 64, 65, 7, 130, 0, 200]      # short and long packed sequences, 
 TIME_SEGMENTS = Tuning(segment_tokens=128)
 PARALLEL = Tuning(parallel=True, parallel_tokens=128)
 ON_STAGE4 = Tuning(route_decodes=False)
+AHEAD = Tuning(ahead_from=65, ahead_segments=3)       # three segments, the last partial
 ORDERED = [1, 300, 5, 64, 65, 0, 130, 1, 200, 17] * 10   # 200 stage-4 programs at H = 2: longest first
 SMS = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
-WIDE = DECODE_PROGRAMS * SMS // (2 * H)                  # one-token requests for 64 × 2 decode programs
 
 
 def pool_call(lens, slots, rows, v_first=False, dtype=torch.float32, has=None, **call):
@@ -42,6 +43,13 @@ def pool_call(lens, slots, rows, v_first=False, dtype=torch.float32, has=None, *
     return args
 
 
+def run_ahead(args):
+    """The packed call with its longest sequence ahead (AHEAD: from 65 tokens), through the JIT."""
+    plan = plan_of(**args, tuning=AHEAD)
+    assert takes_ahead(plan, args["cu_seqlens_cpu"])
+    return run(plan, **{n: args.get(n) for n in RUN_TENSORS}, ahead=True)
+
+
 def decode_call(lens, slots, rows, v_first=False, dtype=torch.float32, **call):
     """kda_decode's keywords for Kimi's call on packed requests of `lens` tokens, a pool of `rows`
     rows (each padded by 16 elements) of `dtype` written in place at `slots` (None: no pool)."""
@@ -52,6 +60,17 @@ def decode_call(lens, slots, rows, v_first=False, dtype=torch.float32, **call):
         pool = torch.randn(rows, H * K * K + 16, device="cuda").to(dtype)[:, :H * K * K].view(rows, H, K, K)
         args.update(initial_state=pool, ssm_state_indices=slots.to("cuda"), inplace_final_state=True)
     return {**args, "state_v_first": v_first, **call}
+
+
+def fused_decode(N):
+    """kda_decode on N one-token requests whose q, k, v are [N, 1, H, K] views of one [N, 3·H·K]
+    tensor (read in place), an fp32 V-first pool of N + 8 rows written at shuffled slots."""
+    args = decode_call([1] * N, torch.randperm(N + 8)[:N], N + 8, v_first=True)
+    mixed = torch.randn(N, 3 * H * K, device="cuda", dtype=args["q"].dtype)
+    q, k, v = (x.unflatten(-1, (H, K)).unsqueeze(1) for x in mixed.split(H * K, dim=-1))
+    batched = {n: args[n].view(N, 1, *args[n].shape[2:]) for n in ("g", "beta")}
+    args.pop("cu_seqlens")
+    return kda_decode(**{**args, **batched, "q": q, "k": k, "v": v})
 
 
 def checkpointed(lens, every, ck_dtype=torch.float32, offsets=None, **call):
@@ -90,6 +109,9 @@ CALLS = {
     "parallel segments": lambda: run_tuned(random_inputs(1, 1000, H, K, initial_state=True, state_v_first=True),
                                        PARALLEL),
     "parallel segments, packed": lambda: run_tuned(pool_call([700, 30, 0, 900, 5], [3, 0, -1, 1, 2], 4), PARALLEL),
+    "the longest ahead, a pool": lambda: run_ahead(pool_call([200, 1, 700, 0, 65, 700], [3, 0, -1, 1, 2, 4], 5)),
+    "the longest ahead as planned, a pool (bound)": lambda: kda_forward(**pool_call(
+        [300, 1, 4200, 64, 0, 700], [5, 0, -1, 2, 4, 1], 6, l2norm=True, beta_logits=True)),
     "parallel segments as planned, a pool slot (bound)": lambda: kda_forward(**pool_call([8192], [2], 4, has=[True])),
     "context-parallel transition": lambda: (Prepared(**{n: x for n, x in random_inputs(
         1, 395, H, K, seqlens=[130, 65, 200]).items() if n != "output_final_state"}).transition(),),
@@ -111,12 +133,13 @@ CALLS = {
     "decode, dense states, final states": lambda: kda_decode(**{
         **decode_call([1, 3, 0, 2], None, 0), "initial_state": torch.randn(4, H, K, K, device="cuda"),
         "output_final_state": True}),
-    # kda_opt/plan's decode_launch: 64 columns by 2 warps, K-first once every SM has a block of 64,
-    # V-first fp32 once every SM has DECODE_PROGRAMS of them.
+    # kda_opt/plan's decode_launch: 64 columns by 2 warps, K-first once every SM has a block of 64;
+    # V-first fp32 states with a (request, head)'s V blocks first (DecodePlan.blocks_first).
     "decode, 64 columns by 2 warps: K-first, a bf16 pool": lambda: kda_decode(**decode_call(
         [1] * SMS, torch.randperm(SMS + 8)[:SMS], SMS + 8, dtype=torch.bfloat16)),
-    "decode, 64 columns by 2 warps: V-first, an fp32 pool": lambda: kda_decode(**decode_call(
-        [1] * WIDE, torch.randperm(WIDE + 8)[:WIDE], WIDE + 8, v_first=True)),
+    "decode, V blocks first: V-first, an fp32 pool, many requests": lambda: kda_decode(**decode_call(
+        [1] * 300, torch.randperm(308)[:300], 308, v_first=True)),
+    "decode, batched views of one fused projection (SGLang's packed decode)": lambda: fused_decode(40),
     "verify, [N, S] slots, accepted counts": lambda: kda_decode(**decode_call(
         [4, 2, 3], torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]), 12,
         num_accepted_tokens=torch.tensor([4, 0, 2], device="cuda"), v_first=True)),

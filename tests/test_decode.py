@@ -1,7 +1,6 @@
 """kda_opt/decode (kda_decode): the kernel against the float64 decode reference (Triton's interpreter
 in fp32 without a GPU), the padding rules, and the argument checks."""
 import json
-import os
 import subprocess
 import sys
 
@@ -10,9 +9,9 @@ import torch
 
 from kda_opt.calls import arguments_of
 from kda_opt.decode import kda_decode, run
-from kda_opt.plan import DECODE_PROGRAMS, DecodePlan, make_decode_plan
+from kda_opt.plan import GRID_AXIS_MAX, DecodePlan, make_decode_plan
 from kda_opt.reference import ERROR_FLOOR, reference_decode
-from tests.conftest import HAS_CUDA, gpu, kernel_device, rel_err
+from tests.conftest import HAS_CUDA, ROOT, compile_env, gpu, kernel_device, rel_err
 from tests.stage_inputs import plan_of
 
 DEVICE = kernel_device()
@@ -151,6 +150,21 @@ def test_padding_leaves_live_rows_as_unpadded(case):
     assert torch.equal(pool[untouched], before[untouched])
 
 
+def test_one_token_views_of_a_fused_projection_are_read_in_place():
+    """Batched decode (B = N, T = 1) on q, k, v split from one fused [N, 3·H·K] tensor (SGLang's
+    mixed_qkv, whose size-1 token axis has a stride of H·K): read through their batch stride, no copy
+    (kda_opt/decode._token_rows), the same o and pool as on contiguous copies."""
+    from kda_opt.decode import _token_rows
+    args = inputs(N=4, T=1, H=2, K=64, slots=6, indices=[5, 0, 3, 2], inplace=True)
+    fused = torch.cat([args[n].flatten(1) for n in ("q", "k", "v")], dim=-1)
+    views = {n: x.view(4, 1, 2, 64) for n, x in zip(("q", "k", "v"), fused.split(128, dim=-1))}
+    assert all(_token_rows(x).data_ptr() == x.data_ptr() for x in views.values())
+    copies = {**args, "initial_state": args["initial_state"].clone()}
+    o_views, pool_views = decoded({**args, **views})
+    o, pool = decoded(copies)
+    assert torch.equal(o_views, o) and torch.equal(pool_views, pool)
+
+
 def test_zero_accepted_tokens_is_a_pad_row():
     """A request whose num_accepted_tokens is 0 (or past its columns) starts from zeros and writes no
     row (vLLM nulls such rows; FLA's kernel reads column −1, the previous request's last slot)."""
@@ -176,19 +190,20 @@ def test_plan_reads_and_writes():
 
 
 def test_launch_follows_the_layout_and_the_batch():
-    """16 columns by one warp for a small step and for V-first 16-bit pools; 64 by two warps for
-    K-first states once every SM has a program, for V-first fp32 ones once every SM has
-    DECODE_PROGRAMS programs."""
+    """16 columns by one warp for a small step and for every V-first state, a V-first fp32 state's
+    blocks first (up to GRID_AXIS_MAX requests, the grid's third axis); 64 by two warps for K-first
+    states once every SM has a program."""
     def launch(N, **changes):
         p = plan(N=N, indices=list(range(N)), slots=N, **changes)
-        return p.block_v, p.num_warps
+        return p.block_v, p.num_warps, p.blocks_first
     # 2N (request, value head) pairs of one 64-column block each (H = 2, V = 64).
-    edge = DECODE_PROGRAMS * SMS // 2
-    assert launch(1) == (16, 1)
-    assert launch(SMS // 2) == (64, 2) and launch(SMS // 2 - 1) == (16, 1)
-    assert launch(SMS // 2, pool_dtype=torch.bfloat16) == (64, 2)
-    assert launch(edge, v_first=True) == (64, 2) and launch(edge - 1, v_first=True) == (16, 1)
-    assert launch(edge, v_first=True, pool_dtype=torch.bfloat16) == (16, 1)
+    assert launch(1) == (16, 1, False)
+    assert launch(SMS // 2) == (64, 2, False) and launch(SMS // 2 - 1) == (16, 1, False)
+    assert launch(SMS // 2, pool_dtype=torch.bfloat16) == (64, 2, False)
+    assert launch(1, v_first=True) == launch(16 * SMS, v_first=True) == (16, 1, True)
+    assert launch(16 * SMS, v_first=True, pool_dtype=torch.bfloat16) == (16, 1, False)
+    many = plan(N=GRID_AXIS_MAX + 1, T=1, slots=None, indices=None, inplace=False, state=False, v_first=True)
+    assert (many.block_v, many.blocks_first) == (16, False)
 
 
 def bad(**changes):
@@ -252,9 +267,9 @@ POINTERS = dict(q="*bf16", k="*bf16", v="*bf16", g="*bf16", beta="*bf16", A_log=
                 s_in="*fp32", s_out="*fp32", cu_seqlens="*i64", indices="*i64", accepted="*i64", has_state="*i1")
 KIMI_DECODE = dict(H=32, HV=32, K=128, V=128, BV=64, MODE=1, HAS_A=True, HAS_BIAS=True, L2NORM=True, BETA_SIGMOID=1.0,
                    V_FIRST=True, PACKED=True, READ=2, WRITE=2, COLUMNS=1, ACCEPTED=False, PAD=True, HAS_MASK=False,
-                   SINGLE=False)
+                   SINGLE=False, BLOCKS_FIRST=False)
 VARIANTS = [
-    dict(), dict(BV=16, num_warps=1), dict(V_FIRST=False, WRITE=3, COLUMNS=4, ACCEPTED=True, num_warps=4),
+    dict(), dict(BV=16, num_warps=1), dict(BV=16, num_warps=1, BLOCKS_FIRST=True), dict(V_FIRST=False, WRITE=3, COLUMNS=4, ACCEPTED=True, num_warps=4),
     dict(WRITE=3, COLUMNS=2, PACKED=False), dict(SINGLE=True, HAS_MASK=True, PAD=False),
     dict(SINGLE=True, READ=1, WRITE=1, HAS_MASK=True, PAD=False),
     dict(READ=1, WRITE=1, PACKED=False, PAD=False, L2NORM=False, BETA_SIGMOID=0.0, MODE=0, HAS_A=False,
@@ -294,10 +309,8 @@ def sm90_resources():
     the kernels are Triton's JIT functions (here, without a GPU, they are the interpreter's)."""
     code = ("import json\nfrom tests.test_decode import VARIANTS, sm90_cubin\nfrom tests.test_wuso import resources\n"
             "print(json.dumps([resources(sm90_cubin(**v)) for v in VARIANTS]))")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "TRITON_INTERPRET": "0",
-           "PYTHONPATH": os.pathsep.join(filter(None, (root, os.path.join(root, "scripts"), os.environ.get("PYTHONPATH"))))}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=compile_env(), cwd=ROOT,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

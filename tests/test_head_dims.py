@@ -4,7 +4,6 @@ the arguments their launchers pass; the interpreter does not check what only the
 tl.dot's inner dimension under 16, say). The decode kernel and stage 4's cuTile kernel are compiled
 there too, in tests/test_decode.py (VARIANTS) and tests/test_wuso.py (test_exports_sm90_cubin)."""
 import json
-import os
 import subprocess
 import sys
 
@@ -14,6 +13,7 @@ import torch
 from kda_opt import gate, intra, merge, seqs
 from kda_opt.checks import SUPPORTED_HEAD_DIMS
 from kda_opt.options import GateConfig
+from tests.conftest import compile_env
 from tests.stage_inputs import stage_inputs
 
 SMALLEST = min(SUPPORTED_HEAD_DIMS)
@@ -49,6 +49,8 @@ def launches() -> dict:
                              torch.zeros(2 * K))
         packed = seqs.packed(cu, T)
         seqs.longest_first(cu, T)
+        seqs.ahead_layout(cu, T, 2, slots=torch.zeros(3, dtype=torch.int32),
+                          has_initial_state=torch.zeros(3, dtype=torch.bool))
         for dtype, bounded, layout in ((torch.bfloat16, True, None), (torch.float16, False, None),
                                        (torch.float32, False, packed), (torch.bfloat16, False, packed)):
             x = stage_inputs(1, T, 1, K, HV=2, dtype=dtype)
@@ -92,11 +94,8 @@ LAUNCHES = launches()
 
 @pytest.mark.parametrize("name", list(LAUNCHES))
 def test_kernel_compiles_for_sm90_at_the_smallest_head_dims(name):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {n: x for n, x in os.environ.items() if n != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
-    done = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(LAUNCHES[name])], env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(LAUNCHES[name])], env=compile_env(),
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and int(done.stdout.split()[-1]) > 0, done.stderr[-3000:]
 
 

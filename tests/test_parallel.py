@@ -9,7 +9,7 @@ from kda_bench.inputs import random_inputs
 from kda_opt import kda_forward, merge
 from kda_opt.plan import Tuning, cut_sequences
 from kda_opt.reference import ERROR_FLOOR, reference_forward
-from tests.conftest import gpu, rel_err
+from tests.conftest import compile_env, gpu, rel_err
 from tests.stage_inputs import plan_of
 from tests.test_forward import run_tuned
 
@@ -87,15 +87,11 @@ def test_merge_compiles_for_sm90_without_spills(name):
     ptxas; no GPU needed): no stack frame (its "ieee" products, or its whole [K, K] tiles, spilled
     kilobytes a thread), and the shared memory of its deeper pipeline within what a program may take."""
     import json
-    import os
     import subprocess
     import sys
     from tests.test_wuso import resources
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {n: x for n, x in os.environ.items() if n != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, (root, env.get("PYTHONPATH"))))
     compiled = json.loads(subprocess.run([sys.executable, "-c", COMPILE, json.dumps(SM90_SPECIALISATIONS[name])],
-                                         env=env, capture_output=True, check=True).stdout)
+                                         env=compile_env(), capture_output=True, check=True).stdout)
     registers, stack = resources(bytes.fromhex(compiled["cubin"]))
     assert stack == 0 and registers <= 255 and compiled["shared"] <= SM90_SHARED, (registers, stack, compiled["shared"])
 

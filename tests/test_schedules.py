@@ -16,7 +16,7 @@ import torch
 
 from kda_opt import forward
 from kda_opt.options import CHUNK
-from kda_opt.plan import OnePass, ParallelSegments, Pieces, TimeSegments, Tuning, schedule_of
+from kda_opt.plan import OnePass, ParallelSegments, Pieces, TimeSegments, Tuning, schedule_of, takes_ahead
 from kda_opt.reference import recurrent_kda
 from tests.conftest import kernel_device, rel_err
 from tests.stage_inputs import plan_of
@@ -91,14 +91,15 @@ def _programs(bounds, order, short_sequences, decoded, counts):
     """The sequences a wuso call computes, as its launches cover them: program i computes sequence
     order[i] (or i); with short_sequences, a long launch over the first counts.long of the order (all
     without counts) computing those longer than a chunk, and a short launch in grid order computing
-    the others (but sequences of one token where decoded: kda_opt/decode's)."""
+    the others (but sequences of one token where decoded: kda_opt/decode's); with counts, a launch
+    whose count is zero is not made."""
     every = list(range(len(bounds))) if order is None else order.tolist()
     if not short_sequences:
         return every
     length = lambda n: bounds[n][2] - bounds[n][1]
     long = [n for n in (every if counts is None else every[:counts.long]) if length(n) > CHUNK]
     short = [n for n in range(len(bounds)) if length(n) <= CHUNK and not (decoded and length(n) == 1)]
-    return long + short
+    return long + (short if counts is None or counts.short else [])
 
 
 def _layout(S, v_first):
@@ -117,9 +118,9 @@ def inputs(T, B=1, seed=0):
     return {n: x.to(D) for n, x in dict(q=q, k=k, v=v, g=g, beta=beta).items()}
 
 
-def run(call, tuning=Tuning()):
-    """forward.run of the call's plan (on SMS SMs) with stage 4 stood in for: (o, final state, the
-    stand-in)."""
+def run(call, tuning=Tuning(), ahead=False):
+    """forward.run of the call's plan (on SMS SMs) with stage 4 stood in for (ahead: its longest
+    sequence ahead): (o, final state, the stand-in)."""
     plan = plan_of(**call, tuning=tuning, sms=SMS)
     stage4 = Stage4(call["q"], call["k"], call["v"], call["g"], call["beta"])
 
@@ -130,7 +131,7 @@ def run(call, tuning=Tuning()):
             return None
         return launcher(*args, **kwargs)
     tensors = {n: call.get(n) for n in forward.RUN_TENSORS}
-    o, final = forward.run(plan, **tensors, launch=launch)
+    o, final = forward.run(plan, **tensors, launch=launch, ahead=ahead)
     return plan, o, final, stage4
 
 
@@ -326,6 +327,55 @@ def test_sized_launches_and_longest_first():
     assert stage4.calls[0]["ordered"]
     ref_o, ref_s = truth(call, lens, [None] * len(lens))
     assert rel_err(o, ref_o) <= TOL and rel_err(final, ref_s) <= TOL
+
+
+@pytest.mark.parametrize("pool", [False, True])
+def test_longest_ahead(pool):
+    """Packed sequences with their host lengths, the longest (the first of two of 330 tokens) ahead in
+    three time segments made on the device (its state handed on twice), the others' stage 4 over
+    them longest first, the one-token ones decoded: o and each sequence's final state (a pool slot,
+    −1 writing nothing) against the recurrence."""
+    lens = [40, 330, 1, 330, 0, 100]
+    h0 = torch.randn(8, HV, K, V, generator=torch.Generator().manual_seed(7)).to(D)
+    call = packed(lens, cu_seqlens_cpu=torch.tensor([0, *lens]).cumsum(0))
+    slots = [4, 7, 1, -1, 2, 0]
+    if pool:
+        call.update(initial_state=h0.clone(), initial_state_indices=torch.tensor(slots, dtype=torch.int32, device=D))
+        starts = [None if s < 0 else h0[s] for s in slots]
+    else:
+        call.update(initial_state=h0[:6].clone(), output_final_state=True)
+        starts = list(h0[:6])
+    tuning = Tuning(ahead_from=65, ahead_segments=3)
+    assert takes_ahead(plan_of(**call, tuning=tuning, sms=SMS), call["cu_seqlens_cpu"])
+    plan, o, final, stage4 = run(call, tuning, ahead=True)
+    assert [c["ranges"] for c in stage4.calls[:3]] == [[(40, 168)], [(168, 296)], [(296, 370)]]
+    assert stage4.calls[3]["ordered"] and stage4.calls[3]["ranges"][1] == (40, 370)
+    ref_o, ref_s = truth(call, lens, starts)
+    assert rel_err(o, ref_o) <= TOL
+    if pool:
+        after = call["initial_state"]
+        for n, s in enumerate(slots):
+            if s >= 0:
+                assert rel_err(after[s], ref_s[n]) <= TOL, n
+        assert torch.equal(after[[3, 5, 6]], h0[[3, 5, 6]])
+    else:
+        assert rel_err(final, ref_s) <= TOL
+
+
+def test_takes_ahead():
+    """A call takes the longest ahead from its host lengths: one of ahead_from tokens among others,
+    not below, not alone, not without the host copy, not with Tuning(ahead=False), not where the
+    plan cuts the call into pieces."""
+    lens = [40, 330, 1, 330, 0, 100]
+    call = packed(lens, cu_seqlens_cpu=torch.tensor([0, *lens]).cumsum(0))
+    takes = lambda tuning=Tuning(ahead_from=330), **over: takes_ahead(plan_of(**{**call, **over}, tuning=tuning,
+                                                                                sms=SMS), call["cu_seqlens_cpu"])
+    assert takes() and not takes(Tuning(ahead_from=331)) and not takes(Tuning(ahead_from=330, ahead=False))
+    assert not takes(Tuning(ahead_from=330, parallel=True, parallel_tokens=64))
+    assert not takes_ahead(plan_of(**{**call, "cu_seqlens_cpu": None}, sms=SMS), None)
+    alone = packed([330], cu_seqlens_cpu=torch.tensor([0, 330]))
+    assert not takes_ahead(plan_of(**{**alone, "cu_seqlens": torch.tensor([0, 330], device=D)}, sms=SMS),
+                           torch.tensor([0, 330]))
 
 
 def test_run_takes_the_call_tensors_first():

@@ -6,7 +6,7 @@ import torch
 import triton
 
 from kda_opt.options import CHUNK
-from kda_opt.seqs import BLOCK, RANK_BLOCK, block_offsets, longest_first, packed, phased, sequence_counts
+from kda_opt.seqs import BLOCK, RANK_BLOCK, ahead_layout, block_offsets, longest_first, packed, phased, sequence_counts
 from tests.conftest import kernel_device
 
 
@@ -119,3 +119,35 @@ def test_phased(every):
     assert [tuple(r) for r in seqs.chunk_indices.cpu().tolist()][:len(host_table(pieces))] == host_table(pieces)
     counts = [0 if n == 0 else 1 + -(-max(n - x, 0) // every) for n, x in zip(lens, f)]
     assert rows.cpu().tolist() == [sum(counts[:i]) for i in range(len(lens) + 1)]
+
+
+@pytest.mark.parametrize("segments", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("pool", [False, True])
+def test_ahead_layout(segments, dtype, pool):
+    """The longest ahead's layouts, made on the device: the first of the most chunks (longest_first's
+    first; here after more sequences than one block of the search), its segments of whole chunks (the
+    last what is left, past its end empty) with their chunk tables, its slot and has_initial_state, the
+    others' chunk table without it and the one-token sequences, and their order."""
+    lens = [5] * (BLOCK + 3) + [1, 190, 64, 1, 190, 0, 130]
+    n = BLOCK + 4
+    cu = torch.tensor([0, *lens]).cumsum(0).to(dtype)
+    device = kernel_device()
+    slots = torch.arange(len(lens), dtype=torch.int32).flip(0).to(device) if pool else None
+    has = (torch.arange(len(lens)) % 2 == 0).to(device)
+    t = ahead_layout(cu.to(device), sum(lens), segments, slots=slots, has_initial_state=has, skip_single=True)
+    bos, chunks = int(cu[n]), 3
+    per = -(-chunks // segments)
+    assert [tuple(s.cu_seqlens.tolist()) for s in t.segments] == [
+        (min(bos + 64 * per * s, bos + 190), min(bos + 64 * per * (s + 1), bos + 190)) for s in range(segments)]
+    assert all(s.cu_seqlens.dtype == dtype for s in t.segments)
+    for s, seqs in enumerate(t.segments):
+        count = max(0, min(per, chunks - per * s))
+        rows = [tuple(r) for r in seqs.chunk_indices.tolist()]
+        assert rows == [(0, j) for j in range(count)] + [(-1, 0)] * (seqs.chunk_slots - count)
+    assert t.slot.tolist() == [len(lens) - 1 - n if pool else n] and t.has_state.tolist() == [n % 2 == 0]
+    rows = [tuple(r) for r in t.rest.chunk_indices.tolist()]
+    used = [(m, c) for m, c in host_table(lens) if m != n and lens[m] != 1]
+    assert rows[:len(used)] == used and all(r == (-1, 0) for r in rows[len(used):])
+    order = longest_first(cu.to(device), sum(lens)).tolist()
+    assert order[0] == n and t.order.tolist() == order[1:]

@@ -8,9 +8,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import kda_opt  # noqa: F401  registers the ops
 from kda_bench.inputs import random_inputs
 from kda_opt import kda_forward
+from kda_opt.calls import arguments_of
 from kda_opt.forward import RUN_TENSORS, run
-from kda_opt.plan import Pieces, Tuning, schedule_of
-from kda_opt.reference import reference_forward
+from kda_opt.plan import Pieces, Tuning, plan_for, schedule_of, takes_ahead
+from kda_opt.reference import ERROR_FLOOR, reference_forward
 from tests.conftest import gpu, rel_err
 from tests.stage_inputs import plan_of
 from tests.test_op import DEFAULTS
@@ -407,6 +408,60 @@ def test_sized_launches_are_full_in_a_cuda_graph():
     graph.replay()
     o_eager, _ = kda_forward(**new)
     assert torch.equal(o, o_eager) and torch.equal(static["initial_state"], new["initial_state"])
+
+
+AHEAD_LENS = [300, 1, 1000, 64, 0, 700, 1000, 1]   # the longest: the first of two of 1000 tokens
+
+
+@gpu
+@pytest.mark.parametrize("call", list(CALLS))
+@pytest.mark.parametrize("pool", [False, True])
+def test_longest_ahead_equals_one_pass(call, pool):
+    """The longest sequence ahead (its layouts made on the device, three time segments, each one's
+    stage 4 on the side stream) gives one pass's numbers bit for bit at one V block: o, and the
+    final states or a pool at shuffled slots with −1 among them (one-token sequences routed)."""
+    args = random_inputs(1, sum(AHEAD_LENS), 2, 128, seqlens=AHEAD_LENS, seed=21, initial_state=not pool,
+                         **CALLS[call])
+    if pool:
+        on_a_pool(args, 20, holes=3)
+    results = []
+    for ahead in (True, False):
+        c = {**args, "initial_state": args["initial_state"].clone()}
+        plan = plan_of(**c, tuning=Tuning(block_v=64, ahead_from=65, ahead_segments=3))
+        assert takes_ahead(plan, c["cu_seqlens_cpu"])
+        o, s = run(plan, **{n: c.get(n) for n in RUN_TENSORS}, ahead=ahead)
+        results.append((o, s, c["initial_state"]))
+    (o1, s1, p1), (o0, s0, p0) = results
+    assert torch.equal(o1, o0) and torch.equal(p1, p0) and (s0 is None or torch.equal(s1, s0))
+
+
+@gpu
+def test_kda_forward_takes_the_longest_ahead_bound():
+    """kda_forward with the host lengths of a call whose longest request has ahead_from tokens runs it
+    ahead, bound: its third call is replayed (the side stream's launches and waits included) and
+    gives, on new inputs, what its stages give bit for bit; within one pass's error of the call
+    without the host lengths; the rows of no request's slot untouched."""
+    lens = [500, 1, 4200, 64, 1300]
+
+    def call(seed):
+        args = random_inputs(1, sum(lens), 2, 128, seqlens=lens, seed=seed, **CALLS["flashkda"])
+        return on_a_pool(args, 12, holes=4)
+    for seed in (22, 23):
+        kda_forward(**call(seed))
+    args = call(24)
+    entry = plan_for(arguments_of(kda_forward, **args))
+    assert takes_ahead(entry.plan, args["cu_seqlens_cpu"]) and entry.ahead.bound is not None, entry.ahead.unbound
+    pool = args["initial_state"]
+    replayed = {**args, "initial_state": pool.clone()}
+    o, _ = kda_forward(**replayed)
+    stages = {**args, "initial_state": pool.clone()}
+    o_stages, _ = run(entry.plan, **{n: stages.get(n) for n in RUN_TENSORS}, kernels=entry.ahead.kernels, ahead=True)
+    assert torch.equal(o, o_stages) and torch.equal(replayed["initial_state"], stages["initial_state"])
+    one_pass = {**args, "initial_state": pool.clone(), "cu_seqlens_cpu": None}
+    o0, _ = kda_forward(**one_pass)
+    assert rel_err(o, o0) <= ERROR_FLOOR and rel_err(replayed["initial_state"], one_pass["initial_state"]) <= ERROR_FLOOR
+    untouched = [r for r in range(12) if r not in args["initial_state_indices"].tolist()]
+    assert torch.equal(replayed["initial_state"][untouched], pool[untouched])
 
 
 @gpu

@@ -73,14 +73,14 @@ def test_import_needs_no_sglang():
     assert run.stdout.split() == ["False"]
 
 
-@pytest.mark.parametrize("method", ["extend", "decode", "target_verify"])
+@pytest.mark.parametrize("method", ["extend", "decode", "packed_decode", "target_verify"])
 def test_methods_take_sglang_calls(method):
-    """Each method accepts every parameter of SGLang's base class and of its Triton kernel by the same
-    name and kind (a keyword-only one with a default, such as the ReplaySSM ring's, may come through
-    **kwargs, which pass it on)."""
+    """Each method accepts every parameter of SGLang's base class (where it has the method) and of its
+    Triton kernel by the same name and kind (a keyword-only one with a default, such as the ReplaySSM
+    ring's, may come through **kwargs, which pass it on)."""
     ours = inspect.signature(getattr(plugin.kernel_class(), method)).parameters
     assert any(p.kind is p.VAR_KEYWORD for p in ours.values())
-    for base in (LinearAttnKernelBase, plugin.kernel_class().__mro__[1]):
+    for base in (b for b in (LinearAttnKernelBase, plugin.kernel_class().__mro__[1]) if hasattr(b, method)):
         for name, p in inspect.signature(getattr(base, method)).parameters.items():
             if p.kind is p.VAR_KEYWORD:
                 continue
@@ -99,7 +99,7 @@ def sglang_own(monkeypatch):
     """Records the calls that reach SGLang's own Triton kernel methods (stood in for)."""
     seen = []
     base = plugin.kernel_class().__mro__[1]
-    for name in ("extend", "decode", "target_verify"):
+    for name in ("extend", "decode", "packed_decode", "target_verify"):
         monkeypatch.setattr(base, name, lambda self, *a, _n=name, **kw: seen.append((_n, a, kw)) or "sglang")
     return seen
 
@@ -171,6 +171,38 @@ def test_decode_taken_only_where_measured(stood_in, sglang_own):
     assert stood_in["decode"][0][3].shape == (1, 3, 2, calls.K)      # SGLang's [N, H·K] gate, per head
     assert kw["ssm_state_indices"] is call["cache_indices"] and kw["inplace_final_state"] and kw["state_v_first"]
     assert kw["use_beta_sigmoid_in_kernel"] and kw["lower_bound"] == -5.0
+
+
+def packed_call(N, H, pool_dtype=torch.float32, device="cpu"):
+    """SGLang's packed-decode keywords for a decode step() of N requests at H heads: its q, k, v
+    packed back into one mixed_qkv [N, 3·H·K] (the short convolution's output)."""
+    call = calls.step("decode", H, [1] * N, "softplus", device=device)
+    mixed = torch.cat([call[n].flatten(2)[0] for n in ("q", "k", "v")], dim=-1)
+    return call, dict(mixed_qkv=mixed, a=call["a"], b=call["beta"][0], A_log=call["A_log"], dt_bias=call["dt_bias"],
+                      scale=calls.K ** -0.5, ssm_states=call["ssm_states"].to(pool_dtype),
+                      cache_indices=call["cache_indices"], num_v_heads=H, head_v_dim=calls.K)
+
+
+def test_packed_decode_maps_sglangs_call_onto_kda_decode(stood_in, sglang_own):
+    """Packed decode on an fp32 pool through kda_decode, q, k, v views of mixed_qkv read in place
+    ([N, 1, heads, K], one token per request), o as SGLang returns it ([1, N, HV, V]); a 16-bit pool,
+    a lower bound and the ReplaySSM ring are SGLang's."""
+    kernel = plugin.kernel_class()()
+    call, packed = packed_call(5, 2)
+    o = kernel.packed_decode(**packed)
+    assert not sglang_own and o.shape == (1, 5, 2, calls.K)
+    args, kw = stood_in["decode"]
+    mixed = packed["mixed_qkv"]
+    for x, at in zip(args[:3], (0, 2 * calls.K, 4 * calls.K)):
+        assert x.shape == (5, 1, 2, calls.K) and x.data_ptr() == mixed[:, at:].data_ptr() and x.stride(0) == mixed.stride(0)
+    assert args[3].shape == (5, 1, 2, calls.K) and args[4].shape == (5, 1, 2)
+    assert kw["ssm_state_indices"] is packed["cache_indices"] and kw["initial_state"] is packed["ssm_states"]
+    assert kw["inplace_final_state"] and kw["state_v_first"] and kw["use_qk_l2norm_in_kernel"]
+    assert kw["use_beta_sigmoid_in_kernel"] and kw["lower_bound"] is None and kw["scale"] == calls.K ** -0.5
+    for changes in (dict(ssm_states=packed["ssm_states"].bfloat16()), dict(lower_bound=-5.0),
+                    dict(replayssm_d=1, replayssm_k=1, replayssm_g=1, replayssm_write_pos=1)):
+        assert kernel.packed_decode(**{**packed, **changes}) == "sglang"
+    assert [s[0] for s in sglang_own] == ["packed_decode"] * 3
 
 
 def test_tree_verify_is_sglangs(stood_in, sglang_own):
@@ -311,6 +343,30 @@ def test_sglang_calls_match_the_recurrence_and_sglang(gate, H, name):
     assert s_err <= error_bound(min(s_err_t, ERROR_FLOOR)), (s_err, s_err_t)
     _, same = calls.compare(ours, triton, call)
     assert same
+
+
+@gpu
+@pytest.mark.parametrize("N,H", [(6, 32), (48, 8)])
+def test_packed_decode_matches_the_recurrence_and_the_split_call(N, H):
+    """Kimi-Linear's packed decode (softplus, an fp32 pool, a padding slot): o and the named pool rows
+    within FLA's bound of the float64 recurrence where SGLang's Triton decode's error sets it, bit for
+    bit the plugin's decode of the same step split into q, k, v, every other pool row untouched."""
+    ours, triton = calls.kernels()
+    call, packed = packed_call(N, H, device="cuda")
+    pool = packed["ssm_states"]
+    packed["ssm_states"] = pool.clone()
+    o = ours.packed_decode(**packed)
+    (o_split, pool_split, _), (o_t, pool_t, _) = calls.run(ours, call), calls.run(triton, call)
+    assert torch.equal(o, o_split) and torch.equal(packed["ssm_states"], pool_split)
+    o_ref, S_ref = _reference(call)
+    idx = call["cache_indices"].long()
+    live = idx >= 0
+    assert rel_err(o, o_ref) <= error_bound(min(rel_err(o_t, o_ref), ERROR_FLOOR))
+    s_err, s_err_t = rel_err(packed["ssm_states"][idx[live]], S_ref[live]), rel_err(pool_t[idx[live]], S_ref[live])
+    assert s_err <= error_bound(min(s_err_t, ERROR_FLOOR))
+    untouched = torch.ones(pool.shape[0], dtype=torch.bool, device=pool.device)
+    untouched[idx[live]] = False
+    assert torch.equal(packed["ssm_states"][untouched], pool[untouched])
 
 
 @gpu

@@ -319,7 +319,8 @@ def check_fla(c: Case, fla):
 # kda_opt/intra, and kda_opt/seqs' tables and order of packed sequences).
 STAGE1_KERNELS = ("gate_cumsum",)
 KERNEL_COLUMNS = {"stage1_ms": STAGE1_KERNELS,
-                  "stages13_ms": STAGE1_KERNELS + ("intra_chunk", "chunk_offsets", "chunk_indices", "longest_first")}
+                  "stages13_ms": STAGE1_KERNELS + ("intra_chunk", "chunk_offsets", "chunk_indices", "longest_first",
+                                                   "ahead_layout")}
 
 
 def kernel_ms(f, columns: dict, calls=3) -> dict:
