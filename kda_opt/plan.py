@@ -36,7 +36,7 @@ Entry.ahead).
 """
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, NamedTuple
@@ -75,6 +75,9 @@ class Tuning:
     ahead: bool = True            # packed, one pass, with cu_seqlens_cpu: a call whose longest sequence has
                                   # ahead_from tokens runs it ahead of the others (takes_ahead), bound
     ahead_from: int = 4096
+    ahead_chain: float = 1.0      # and whose chain (its chunks) is at least this many times the call's
+                                  # stage-4 work an SM (all chunks x HV x V/block_v over the SMs): below,
+                                  # the others' work fills the GPU beside it and the ahead's launches cost
     ahead_segments: int = 2       # in this many time segments
     ahead_block_v: int | None = None  # its stage 4's V block; None: the call's (Plan.block_v)
 
@@ -94,10 +97,12 @@ class ParallelCut:
 @dataclass(frozen=True)
 class AheadRule:
     """Packed sequences with their host copy: a call whose longest sequence has at least `longest`
-    tokens, among others, runs that one's stage 4 ahead of the others' stages 1–3 (takes_ahead,
+    tokens, among others, whose chain is at least `chain` times the call's stage-4 work an SM, runs
+    that one's stage 4 ahead of the others' stages 1–3 (takes_ahead,
     kda_opt/schedules.longest_ahead), in `segments` time segments, each program `block_v` V columns
     wide."""
     longest: int
+    chain: float
     segments: int
     block_v: int
 
@@ -239,7 +244,8 @@ def make_plan(arguments: Mapping[str, Any], tuning: Tuning = Tuning(), sms: int 
         # once still costs its launch (stage 4's: one CTA per SM at a time).
         sized_launches=sized,
         # (Not with checkpoints: the segments would need their rows, which nothing hands them.)
-        ahead=AheadRule(max(tuning.ahead_from, CHUNK + 1), tuning.ahead_segments, tuning.ahead_block_v or block_v)
+        ahead=AheadRule(max(tuning.ahead_from, CHUNK + 1), tuning.ahead_chain, tuning.ahead_segments,
+                        tuning.ahead_block_v or block_v)
         if packed_one_pass and short_sequences and a.cu_seqlens_cpu is not None and tuning.ahead
         and a.checkpoints is None else None,
         intra_warps=tuning.intra_warps or warps_for(q.dtype), worker_warps=tuning.worker_warps, sms=sms,
@@ -412,15 +418,26 @@ def schedule_of(plan: "Plan", device: torch.device, cu_seqlens_cpu=None, capturi
 def takes_ahead(plan: "Plan", cu_seqlens_cpu) -> bool:
     """Whether a call of `plan` with the host copy cu_seqlens_cpu (or None) runs its longest packed
     sequence ahead (plan.ahead): one of at least its rule's tokens among others (at most RANK_MAX
-    sequences: the others' order is kda_opt/seqs.longest_first's), and no cut."""
+    sequences: the others' order is kda_opt/seqs.longest_first's), its chain the call's critical path
+    (its rule's chain share of the stage-4 work an SM), and no cut."""
     rule = plan.ahead
     if rule is None or cu_seqlens_cpu is None:
         return False
     bounds = cu_seqlens_cpu.tolist()
     longest = max(t1 - t0 for t0, t1 in zip(bounds, bounds[1:]))
+    if not 2 < len(bounds) <= RANK_MAX + 1 or longest < rule.longest:
+        return False
     cut = plan.parallel_cut
-    return 2 < len(bounds) <= RANK_MAX + 1 and longest >= rule.longest and (
-        cut is None or cut_sequences(bounds, plan.HV, cut, plan.sms) is None)
+    return chain_leads([t1 - t0 for t0, t1 in zip(bounds, bounds[1:])], plan.HV, plan.V, plan.block_v, plan.sms,
+                       rule.chain) and (cut is None or cut_sequences(bounds, plan.HV, cut, plan.sms) is None)
+
+
+def chain_leads(lengths: Sequence[int], HV: int, V: int, block_v: int, sms: int, share: float) -> bool:
+    """Whether the longest of packed sequences of `lengths` tokens is its call's critical path: its
+    chunks at least `share` times the call's stage-4 work an SM (every chunk, HV·V/block_v programs
+    each, over `sms` SMs)."""
+    chunks = [-(-n // CHUNK) for n in lengths]
+    return max(chunks) >= share * sum(chunks) * HV * (V // block_v) / sms
 
 
 # Packed sequences are cut into parallel segments where the longest has at least CUT_FROM tokens and

@@ -31,6 +31,7 @@ from .decode import kda_decode
 from .fla_backend import _on_hopper, first_rows, intermediate_states, sequence_rows, spare_rows
 from .forward import kda_forward
 from .options import CHUNK
+from .wuso import block_v_for
 
 SWITCH = "SGLANG_KDA_OPT"          # 1: SGLang's Triton KDA kernel is replaced by kda_opt's
 TARGET = "sglang.srt.layers.attention.linear.kernels.kda_triton.TritonKDAKernel"
@@ -159,12 +160,12 @@ def extend(q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, A_lo
     The host lengths (extend_seq_lens_cpu) go to kda_forward only where they choose its schedule: one
     request (which then runs as one sequence, in parallel segments where they pay), a request long
     enough to be cut (plan.CUT_FROM) or, without per-chunk states, to run ahead of the others
-    (plan.takes_ahead: bound); any other call is bound (its launches replayed) without them."""
+    (plan.takes_ahead's rule, _leads: bound); any other call is bound (its launches replayed) without them."""
     states = track_state is not None or return_intermediate_states
     lengths = extend_seq_lens_cpu
     cu_seqlens_cpu = None
     if lengths is not None and (len(lengths) == 1 or max(lengths) >= plan.CUT_FROM
-                                or not states and max(lengths) >= plan.Tuning.ahead_from):
+                                or not states and _leads(lengths, v)):
         cu_seqlens_cpu = torch.tensor([0, *lengths]).cumsum(0)
     h = checkpoints = None
     if states:
@@ -189,6 +190,17 @@ def extend(q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, A_lo
         torch.index_select(whole, 0, row.clamp(0, rows), out=track_state[:row.shape[0]])
         h = h.to(k.dtype)
     return (o, h) if return_intermediate_states else o
+
+
+def _leads(lengths, v) -> bool:
+    """Whether the longest request may run ahead of the others (plan.takes_ahead's rule on a call
+    of kda_forward's default tuning, from the host lengths): v [1, T, HV, V]."""
+    if max(lengths) < plan.Tuning.ahead_from:
+        return False
+    HV, V = v.shape[2:]
+    sms = torch.cuda.get_device_properties(v.device).multi_processor_count
+    return plan.chain_leads(lengths, HV, V, block_v_for(len(lengths) * HV, V, sms, v.dtype), sms,
+                            plan.Tuning.ahead_chain)
 
 
 def _chunk_rows(T: int, query_start_loc, extend_seq_lens_cpu, chunk_indices) -> int:

@@ -364,14 +364,17 @@ def test_longest_ahead(pool):
 
 def test_takes_ahead():
     """A call takes the longest ahead from its host lengths: one of ahead_from tokens among others,
-    not below, not alone, not without the host copy, not with Tuning(ahead=False), not where the
-    plan cuts the call into pieces."""
+    its chain ahead_chain times the stage-4 work an SM; not below either, not alone, not without the
+    host copy, not with Tuning(ahead=False), not where the plan cuts the call into pieces."""
     lens = [40, 330, 1, 330, 0, 100]
     call = packed(lens, cu_seqlens_cpu=torch.tensor([0, *lens]).cumsum(0))
     takes = lambda tuning=Tuning(ahead_from=330), **over: takes_ahead(plan_of(**{**call, **over}, tuning=tuning,
                                                                                 sms=SMS), call["cu_seqlens_cpu"])
     assert takes() and not takes(Tuning(ahead_from=331)) and not takes(Tuning(ahead_from=330, ahead=False))
     assert not takes(Tuning(ahead_from=330, parallel=True, parallel_tokens=64))
+    # Its chain (6 chunks) against the stage-4 work an SM: 16 chunks x 2 heads over 8 SMs, 4; over 4, 8.
+    assert takes(Tuning(ahead_from=330, ahead_chain=1.5)) and not takes(Tuning(ahead_from=330, ahead_chain=1.6))
+    assert not takes_ahead(plan_of(**call, tuning=Tuning(ahead_from=330), sms=4), call["cu_seqlens_cpu"])
     assert not takes_ahead(plan_of(**{**call, "cu_seqlens_cpu": None}, sms=SMS), None)
     alone = packed([330], cu_seqlens_cpu=torch.tensor([0, 330]))
     assert not takes_ahead(plan_of(**{**alone, "cu_seqlens": torch.tensor([0, 330], device=D)}, sms=SMS),

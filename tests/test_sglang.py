@@ -7,8 +7,10 @@ import inspect
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
+
 import torch
 
 from kda_opt import sglang as plugin
@@ -157,6 +159,19 @@ def test_one_request_passes_its_host_lengths(stood_in):
     call = calls.step("extend", 2, [300], "safe", device="cpu")
     calls.run_in_place(plugin.kernel_class()(), "extend", calls.arguments(call))
     assert stood_in["forward"][1]["cu_seqlens_cpu"].tolist() == [0, 300]
+
+
+def test_a_leading_request_passes_the_host_lengths(stood_in, monkeypatch):
+    """A request of Tuning.ahead_from tokens among others whose chain is the step's (plan.chain_leads,
+    a GPU of 8 SMs) passes the host lengths (then kda_forward runs it ahead); one whose others' work
+    fills the SMs (64 chunks against 352 x 2 heads over 8) does not: the call stays bound."""
+    sms = SimpleNamespace(multi_processor_count=8)
+    monkeypatch.setattr(plugin.torch.cuda, "get_device_properties", lambda device: sms)
+    for lens, passed in (([4096, 300, 70], True), ([4096] + [2000] * 9, False)):
+        call = calls.step("extend", 2, lens, "safe", device="cpu")
+        calls.run_in_place(plugin.kernel_class()(), "extend", calls.arguments(call))
+        got = stood_in["forward"][1]["cu_seqlens_cpu"]
+        assert (got.tolist() == [0, *torch.tensor(lens).cumsum(0).tolist()]) if passed else got is None, lens
 
 
 def test_decode_taken_only_where_measured(stood_in, sglang_own):
