@@ -35,10 +35,11 @@ def inputs(call):
     return args
 
 
-def worker(rank, world, path, call_name):
+def worker(rank, world, path, args):
+    """Rank `rank`'s slice of `args`, which the test's process made once: inputs drawn in each rank
+    differed between processes now and then (beta's fp32 logits on the CPU, by up to 3e-5)."""
     dist.init_process_group("gloo", init_method=f"file://{path}/pg", rank=rank, world_size=world)
     try:
-        args = inputs(CALLS[call_name])
         bounds = [sum(SPLITS[world][:r]) for r in range(world + 1)]
         mine = {n: x[:, bounds[rank]:bounds[rank + 1]] if n in ("q", "k", "v", "g", "beta") else x
                 for n, x in args.items()}
@@ -54,9 +55,10 @@ def worker(rank, world, path, call_name):
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("call", list(CALLS))
 def test_slices_across_processes_equal_one_pass(tmp_path, world, call):
-    mp.spawn(worker, args=(world, str(tmp_path), call), nprocs=world, join=True)
+    args = inputs(CALLS[call])
+    mp.spawn(worker, args=(world, str(tmp_path), args), nprocs=world, join=True)
     outs = [torch.load(tmp_path / f"out{r}.pt") for r in range(world)]
-    ref_o, ref_s = reference.reference_forward(**inputs(CALLS[call]))
+    ref_o, ref_s = reference.reference_forward(**args)
     o = torch.cat([x for x, _ in outs], dim=1)
     # The states cross ranks in fp32 (the all_gather, the merge's output): 1e-6 where a wrong start is
     # of order one at this decay.
@@ -71,10 +73,10 @@ def test_slices_across_processes_equal_one_pass(tmp_path, world, call):
 PACKED = {"across": [0, 40, 40, 200, 230, 300], "on the boundaries": [0, 100, 100, 130, 300]}
 
 
-def packed_worker(rank, world, path, call_name, layout):
+def packed_worker(rank, world, path, args):
+    """worker's packed call: rank `rank`'s slice of `args` (made once, by the test's process)."""
     dist.init_process_group("gloo", init_method=f"file://{path}/pg", rank=rank, world_size=world)
     try:
-        args = packed_inputs(CALLS[call_name], PACKED[layout])
         bounds = [sum(SPLITS[world][:r]) for r in range(world + 1)]
         mine = {n: x[:, bounds[rank]:bounds[rank + 1]] if n in ("q", "k", "v", "g", "beta") else x
                 for n, x in args.items()}
@@ -103,9 +105,10 @@ def test_packed_slices_across_processes_equal_one_pass(tmp_path, world, call, la
     """Packed sequences by their global cu_seqlens, split across ranks (a sequence crossing one or two
     rank boundaries, one starting on a boundary, empty ones): o as the whole packed call's, and every
     final state from the rank where its sequence ends (the ranks' rows summed)."""
-    mp.spawn(packed_worker, args=(world, str(tmp_path), call, layout), nprocs=world, join=True)
+    args = packed_inputs(CALLS[call], PACKED[layout])
+    mp.spawn(packed_worker, args=(world, str(tmp_path), args), nprocs=world, join=True)
     outs = [torch.load(tmp_path / f"out{r}.pt") for r in range(world)]
-    ref_o, ref_s = reference.reference_forward(**packed_inputs(CALLS[call], PACKED[layout]))
+    ref_o, ref_s = reference.reference_forward(**args)
     assert reference.rel_err(torch.cat([x for x, _ in outs], dim=1), ref_o) < 1e-6
     assert reference.rel_err(sum(s for _, s in outs), ref_s) < 1e-6
 
