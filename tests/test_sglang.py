@@ -10,7 +10,6 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-
 import torch
 
 from kda_opt import sglang as plugin
