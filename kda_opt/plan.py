@@ -211,8 +211,8 @@ def make_plan(arguments: Mapping[str, Any], tuning: Tuning = Tuning(), sms: int 
             tuning.parallel or tuning.parallel is None and _parallel_pays(T, HV, V)):
         cut = ParallelCut(tuning.parallel_tokens, align, 0 if tuning.parallel else CUT_FROM,
                           0 if tuning.parallel else LONGEST_SHARE, tuning.block_v)
-    block_v = tuning.block_v or block_v_for((len(parallel) - 1 if parallel else N) * HV, math.gcd(V, K) if parallel
-                                            else V, sms, q.dtype)
+    block_v = (tuning.block_v or block_v_for((len(parallel) - 1) * HV, math.gcd(V, K), sms, q.dtype) if parallel
+               else one_pass_block_v(N, HV, V, sms, q.dtype, tuning))
     segments = parallel or time_segments(T, N, N * HV * (V // block_v), sms, packed, tuning.segment_tokens,
                                          tuning.max_segments, align)
     # (With checkpoint offsets a sequence of one chunk may be cut in two: stage 4's own launches.)
@@ -244,9 +244,7 @@ def make_plan(arguments: Mapping[str, Any], tuning: Tuning = Tuning(), sms: int 
         # once still costs its launch (stage 4's: one CTA per SM at a time).
         sized_launches=sized,
         # (Not with checkpoints: the segments would need their rows, which nothing hands them.)
-        ahead=AheadRule(max(tuning.ahead_from, CHUNK + 1), tuning.ahead_chain, tuning.ahead_segments,
-                        tuning.ahead_block_v or block_v)
-        if packed_one_pass and short_sequences and a.cu_seqlens_cpu is not None and tuning.ahead
+        ahead=ahead_rule(tuning, block_v) if packed_one_pass and short_sequences and a.cu_seqlens_cpu is not None and tuning.ahead
         and a.checkpoints is None else None,
         intra_warps=tuning.intra_warps or warps_for(q.dtype), worker_warps=tuning.worker_warps, sms=sms,
         decode=_routed_decodes(Sizes(B, T, H, K, HV, V, N), scale, a.use_qk_l2norm_in_kernel, a.use_gate_in_kernel,
@@ -415,29 +413,40 @@ def schedule_of(plan: "Plan", device: torch.device, cu_seqlens_cpu=None, capturi
     return OnePass(sequence_counts(cu_seqlens_cpu, routed) if sized else None, routed, plan.longest_first)
 
 
+def one_pass_block_v(N: int, HV: int, V: int, sms: int, dtype: torch.dtype, tuning: Tuning) -> int:
+    """Stage 4's V block for N sequences (packed, or a batch) in one pass: tuning's, or block_v_for's
+    choice for its N·HV state rows on `sms` SMs."""
+    return tuning.block_v or block_v_for(N * HV, V, sms, dtype)
+
+
+def ahead_rule(tuning: Tuning, block_v: int) -> AheadRule:
+    """tuning's rule for the longest sequence ahead, on a call whose stage-4 V block is block_v."""
+    return AheadRule(max(tuning.ahead_from, CHUNK + 1), tuning.ahead_chain, tuning.ahead_segments,
+                     tuning.ahead_block_v or block_v)
+
+
 def takes_ahead(plan: "Plan", cu_seqlens_cpu) -> bool:
     """Whether a call of `plan` with the host copy cu_seqlens_cpu (or None) runs its longest packed
-    sequence ahead (plan.ahead): one of at least its rule's tokens among others (at most RANK_MAX
-    sequences: the others' order is kda_opt/seqs.longest_first's), its chain the call's critical path
-    (its rule's chain share of the stage-4 work an SM), and no cut."""
+    sequence ahead (plan.ahead): where its lengths lead (`leads`) and they are not cut."""
     rule = plan.ahead
     if rule is None or cu_seqlens_cpu is None:
         return False
     bounds = cu_seqlens_cpu.tolist()
-    longest = max(t1 - t0 for t0, t1 in zip(bounds, bounds[1:]))
-    if not 2 < len(bounds) <= RANK_MAX + 1 or longest < rule.longest:
-        return False
     cut = plan.parallel_cut
-    return chain_leads([t1 - t0 for t0, t1 in zip(bounds, bounds[1:])], plan.HV, plan.V, plan.block_v, plan.sms,
-                       rule.chain) and (cut is None or cut_sequences(bounds, plan.HV, cut, plan.sms) is None)
+    return (leads([t1 - t0 for t0, t1 in zip(bounds, bounds[1:])], plan.HV, plan.V, plan.block_v, plan.sms, rule)
+            and (cut is None or cut_sequences(bounds, plan.HV, cut, plan.sms) is None))
 
 
-def chain_leads(lengths: Sequence[int], HV: int, V: int, block_v: int, sms: int, share: float) -> bool:
-    """Whether the longest of packed sequences of `lengths` tokens is its call's critical path: its
-    chunks at least `share` times the call's stage-4 work an SM (every chunk, HV·V/block_v programs
-    each, over `sms` SMs)."""
+def leads(lengths: Sequence[int], HV: int, V: int, block_v: int, sms: int, rule: AheadRule) -> bool:
+    """Whether the longest of packed sequences of `lengths` tokens runs ahead of the others by `rule`:
+    at least rule.longest tokens, among others (at most RANK_MAX sequences: the others' order is
+    kda_opt/seqs.longest_first's), and its chain the call's critical path: its chunks at least
+    rule.chain times the call's stage-4 work an SM (every chunk, HV·V/block_v programs each, over
+    `sms` SMs)."""
+    if not 1 < len(lengths) <= RANK_MAX or max(lengths) < rule.longest:
+        return False
     chunks = [-(-n // CHUNK) for n in lengths]
-    return max(chunks) >= share * sum(chunks) * HV * (V // block_v) / sms
+    return max(chunks) >= rule.chain * sum(chunks) * HV * (V // block_v) / sms
 
 
 # Packed sequences are cut into parallel segments where the longest has at least CUT_FROM tokens and

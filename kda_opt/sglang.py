@@ -31,7 +31,6 @@ from .decode import kda_decode
 from .fla_backend import _on_hopper, first_rows, intermediate_states, sequence_rows, spare_rows
 from .forward import kda_forward
 from .options import CHUNK
-from .wuso import block_v_for
 
 SWITCH = "SGLANG_KDA_OPT"          # 1: SGLang's Triton KDA kernel is replaced by kda_opt's
 TARGET = "sglang.srt.layers.attention.linear.kernels.kda_triton.TritonKDAKernel"
@@ -160,7 +159,7 @@ def extend(q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, A_lo
     The host lengths (extend_seq_lens_cpu) go to kda_forward only where they choose its schedule: one
     request (which then runs as one sequence, in parallel segments where they pay), a request long
     enough to be cut (plan.CUT_FROM) or, without per-chunk states, to run ahead of the others
-    (plan.takes_ahead's rule, _leads: bound); any other call is bound (its launches replayed) without them."""
+    (plan.leads, _leads: bound); any other call is bound (its launches replayed) without them."""
     states = track_state is not None or return_intermediate_states
     lengths = extend_seq_lens_cpu
     cu_seqlens_cpu = None
@@ -193,14 +192,15 @@ def extend(q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, A_lo
 
 
 def _leads(lengths, v) -> bool:
-    """Whether the longest request may run ahead of the others (plan.takes_ahead's rule on a call
-    of kda_forward's default tuning, from the host lengths): v [1, T, HV, V]."""
-    if max(lengths) < plan.Tuning.ahead_from:
+    """Whether the longest request runs ahead of the others (plan.leads, by the rule of kda_forward's
+    default tuning on a packed one-pass call, from the host lengths): v [1, T, HV, V]."""
+    tuning = plan.Tuning()
+    if max(lengths) < tuning.ahead_from:        # no rule takes it: the GPU's SM count not asked for
         return False
     HV, V = v.shape[2:]
     sms = torch.cuda.get_device_properties(v.device).multi_processor_count
-    return plan.chain_leads(lengths, HV, V, block_v_for(len(lengths) * HV, V, sms, v.dtype), sms,
-                            plan.Tuning.ahead_chain)
+    block_v = plan.one_pass_block_v(len(lengths), HV, V, sms, v.dtype, tuning)
+    return plan.leads(lengths, HV, V, block_v, sms, plan.ahead_rule(tuning, block_v))
 
 
 def _chunk_rows(T: int, query_start_loc, extend_seq_lens_cpu, chunk_indices) -> int:
