@@ -343,8 +343,9 @@ def test_sglang_mode_fails_on_a_row_apart_or_touched(monkeypatch, capsys, err, s
     floor, or a pool row not named was touched (rows, and SGLang itself, stood in for)."""
     from kda_bench import sglang
     on_a_gpu_where(monkeypatch, "sglang", "found")
-    row = dict(call="extend", H=8, requests=1, tokens=2048, gate="safe", sglang_triton_ms=1.0, kda_opt_ms=0.5,
-               speedup=2.0, sglang_flashkda_ms="n/a", max_rel_err=err, untouched_ok=same)
+    row = dict(call="extend", H=8, requests=1, tokens=2048, gate="safe", sglang_kernel="extend: Triton chunk_kda",
+               timing="eager", sglang_ms=1.0, kda_opt_ms=0.5, speedup=2.0, taken=True, sglang_flashkda_ms="n/a",
+               max_rel_err=err, untouched_ok=same)
     monkeypatch.setattr(sglang, "sglang_rows", lambda *a, **kw: [row])
     monkeypatch.setattr(sglang, "host_rows", lambda: {"kda_opt": 0.1, "sglang_triton": 0.5})
     assert bench.main(["--test", "sglang"]) == rc

@@ -161,7 +161,7 @@ def test_one_request_passes_its_host_lengths(stood_in):
 
 
 def test_a_leading_request_passes_the_host_lengths(stood_in, monkeypatch):
-    """A request of Tuning.ahead_from tokens among others whose chain is the step's (plan.chain_leads,
+    """A request of Tuning.ahead_from tokens among others whose chain is the step's (plan.leads,
     a GPU of 8 SMs) passes the host lengths (then kda_forward runs it ahead); one whose others' work
     fills the SMs (64 chunks against 352 x 2 heads over 8) does not: the call stays bound."""
     sms = SimpleNamespace(multi_processor_count=8)
@@ -188,13 +188,12 @@ def test_decode_taken_only_where_measured(stood_in, sglang_own):
 
 
 def packed_call(N, H, pool_dtype=torch.float32, device="cpu"):
-    """SGLang's packed-decode keywords for a decode step() of N requests at H heads: its q, k, v
-    packed back into one mixed_qkv [N, 3·H·K] (the short convolution's output)."""
+    """A decode step() of N requests at H heads and the same step as SGLang's packed-decode keywords
+    (q, k, v in the one mixed_qkv [N, 3·H·K] they are views of), its pool in pool_dtype."""
     call = calls.step("decode", H, [1] * N, "softplus", device=device)
-    mixed = torch.cat([call[n].flatten(2)[0] for n in ("q", "k", "v")], dim=-1)
-    return call, dict(mixed_qkv=mixed, a=call["a"], b=call["beta"][0], A_log=call["A_log"], dt_bias=call["dt_bias"],
-                      scale=calls.K ** -0.5, ssm_states=call["ssm_states"].to(pool_dtype),
-                      cache_indices=call["cache_indices"], num_v_heads=H, head_v_dim=calls.K)
+    packed = calls.arguments(calls.step("packed_decode", H, [1] * N, "softplus", device=device))
+    packed["ssm_states"] = packed["ssm_states"].to(pool_dtype)
+    return call, packed
 
 
 def test_packed_decode_maps_sglangs_call_onto_kda_decode(stood_in, sglang_own):
@@ -217,6 +216,17 @@ def test_packed_decode_maps_sglangs_call_onto_kda_decode(stood_in, sglang_own):
                     dict(replayssm_d=1, replayssm_k=1, replayssm_g=1, replayssm_write_pos=1)):
         assert kernel.packed_decode(**{**packed, **changes}) == "sglang"
     assert [s[0] for s in sglang_own] == ["packed_decode"] * 3
+
+
+def test_taken_names_the_calls_the_plugin_runs(stood_in, sglang_own):
+    """The benchmark's `taken`: whether the plugin at its defaults ran kda_opt on a call, not SGLang's
+    method (here stood in for)."""
+    small, large = (calls.step("decode", 2, [1] * n, "safe", device="cpu") for n in (3, plugin.DECODE_REQUESTS + 1))
+    assert calls.taken(small) and not calls.taken(large)
+    packed = calls.step("packed_decode", 2, [1] * 5, "softplus", device="cpu")
+    assert calls.taken(packed) and not calls.taken({**packed, "ssm_states": packed["ssm_states"].bfloat16()})
+    assert not calls.taken(calls.step("verify", 2, [1] * 3, "safe", device="cpu"))
+    assert [s[0] for s in sglang_own] == ["decode", "packed_decode", "target_verify"]
 
 
 def test_tree_verify_is_sglangs(stood_in, sglang_own):
@@ -360,27 +370,30 @@ def test_sglang_calls_match_the_recurrence_and_sglang(gate, H, name):
 
 
 @gpu
-@pytest.mark.parametrize("N,H", [(6, 32), (48, 8)])
-def test_packed_decode_matches_the_recurrence_and_the_split_call(N, H):
-    """Kimi-Linear's packed decode (softplus, an fp32 pool, a padding slot): o and the named pool rows
-    within FLA's bound of the float64 recurrence where SGLang's Triton decode's error sets it, bit for
-    bit the plugin's decode of the same step split into q, k, v, every other pool row untouched."""
+@pytest.mark.parametrize("N,H,kernel", [(6, 32, calls.SGLANG_KERNELS["packed_decode"]), (48, 8, calls.CUDA_PACKED)])
+def test_packed_decode_matches_the_recurrence_and_sglangs(N, H, kernel):
+    """Kimi-Linear's packed decode (softplus, an fp32 pool, padding slots): o and the named pool rows
+    within FLA's bound of the float64 recurrence where SGLang's own packed decode's error sets it (its
+    Triton kernel below 8 requests, its CUDA kernel from 8) and where its split-call decode's does, bit
+    for bit the plugin's decode of the same step split into q, k, v, every other pool row untouched."""
+    if kernel == calls.CUDA_PACKED:
+        pytest.importorskip("tvm_ffi", reason="SGLang's CUDA packed decode builds through apache-tvm-ffi")
     ours, triton = calls.kernels()
     call, packed = packed_call(N, H, device="cuda")
-    pool = packed["ssm_states"]
-    packed["ssm_states"] = pool.clone()
-    o = ours.packed_decode(**packed)
-    (o_split, pool_split, _), (o_t, pool_t, _) = calls.run(ours, call), calls.run(triton, call)
-    assert torch.equal(o, o_split) and torch.equal(packed["ssm_states"], pool_split)
+    step = {"call": "packed_decode", **packed}
+    (o, pool, _), (o_split, pool_split, _) = calls.run(ours, step), calls.run(ours, call)
+    assert torch.equal(o, o_split) and torch.equal(pool, pool_split)
+    assert calls.sglang_kernel(triton, step) == f"packed_decode: {kernel}"
     o_ref, S_ref = _reference(call)
     idx = call["cache_indices"].long()
     live = idx >= 0
-    assert rel_err(o, o_ref) <= error_bound(min(rel_err(o_t, o_ref), ERROR_FLOOR))
-    s_err, s_err_t = rel_err(packed["ssm_states"][idx[live]], S_ref[live]), rel_err(pool_t[idx[live]], S_ref[live])
-    assert s_err <= error_bound(min(s_err_t, ERROR_FLOOR))
+    for o_t, pool_t, _ in (calls.run(triton, step), calls.run(triton, call)):
+        assert rel_err(o, o_ref) <= error_bound(min(rel_err(o_t, o_ref), ERROR_FLOOR))
+        s_err, s_err_t = rel_err(pool[idx[live]], S_ref[live]), rel_err(pool_t[idx[live]], S_ref[live])
+        assert s_err <= error_bound(min(s_err_t, ERROR_FLOOR))
     untouched = torch.ones(pool.shape[0], dtype=torch.bool, device=pool.device)
     untouched[idx[live]] = False
-    assert torch.equal(packed["ssm_states"][untouched], pool[untouched])
+    assert torch.equal(pool[untouched], packed["ssm_states"][untouched])
 
 
 @gpu

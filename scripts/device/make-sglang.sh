@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds .devsglang/ in the project root: SGLang's wheel (cp312, --no-deps) and the modules its KDA
 # kernels' import chain needs that the GPU image lacks, for the SGLang tests and `--test sglang` on the
-# lent GPU machine (Python 3.12, torch and triton preinstalled). About 45 MB: it rides a SECOND call on
+# lent GPU machine (Python 3.12, torch and triton preinstalled). About 50 MB: it rides a SECOND call on
 # a machine still warm from a kit call, as ../shared/device/make-peers.sh's peers do:
 #   call 1: carry [".devkit"]    -> source .devkit/setup.sh && <anything>      (installs the kit into /tmp/kdakit)
 #   call 2: carry [".devsglang"] -> source .devsglang/setup.sh && <sglang run> (within ~30 s of call 1's end)
@@ -25,5 +25,15 @@ pipdl "$SGLANG"
 pipdl orjson pybase64 starlette msgspec pydantic pydantic-core annotated-types typing-inspection pyzmq \
   ipython ipython-pygments-lexers jedi parso traitlets prompt-toolkit decorator matplotlib-inline pexpect \
   ptyprocess stack-data executing asttokens pure-eval wcwidth
+# The JIT CUDA kernels' loader (SGLang's packed decode from 8 requests builds its row-streaming kernel
+# through it with the image's nvcc): the version SGLang's own metadata pins.
+pipdl "apache-tvm-ffi==$(python3 - "$P"/sglang-*.whl <<'PY'
+import sys, zipfile
+wheel = zipfile.ZipFile(sys.argv[1])
+meta = next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
+print(next(line.split("==")[1].strip() for line in wheel.read(meta).decode().splitlines()
+           if line.startswith("Requires-Dist: apache-tvm-ffi==")))
+PY
+)"
 cp "$(dirname "${BASH_SOURCE[0]}")/sglang-setup.sh" "$P/setup.sh"
 du -sb "$P" | awk '{printf "sglang: %.1f MB\n", $1/1e6}'

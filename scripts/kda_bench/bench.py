@@ -558,13 +558,14 @@ def main(argv=None) -> int:
         if importlib.util.find_spec("sglang") is None:
             return refuse("--test sglang needs SGLang (pip install sglang)")
         rows = sglang.sglang_rows(args.out_dir, args.warmup, args.rep, args.quiet)
-        print(f"\n{'call':>6} {'H':>3} {'N':>4} {'tokens':>6} {'gate':>8} {'SGLang':>8} {'ours':>8} {'speedup':>7} "
-              f"{'FlashKDA':>8} {'max err':>8} untouched")
+        print(f"\n{'call':>13} {'H':>3} {'N':>4} {'tokens':>6} {'gate':>8} {'timing':>6} {'SGLang':>8} {'ours':>8} "
+              f"{'speedup':>7} {'taken':>5} {'FlashKDA':>8} {'max err':>8} untouched  SGLang's kernel")
         for r in rows:
             fkda = r["sglang_flashkda_ms"]
-            print(f"{r['call']:>6} {r['H']:>3} {r['requests']:>4} {r['tokens']:>6} {r['gate']:>8} "
-                  f"{r['sglang_triton_ms']:8.3f} {r['kda_opt_ms']:8.3f} {r['speedup']:7.2f} "
-                  f"{fkda if isinstance(fkda, str) else f'{fkda:8.3f}':>8} {r['max_rel_err']:8.2e} {r['untouched_ok']}")
+            print(f"{r['call']:>13} {r['H']:>3} {r['requests']:>4} {r['tokens']:>6} {r['gate']:>8} {r['timing']:>6} "
+                  f"{r['sglang_ms']:8.3f} {r['kda_opt_ms']:8.3f} {r['speedup']:7.2f} {str(r['taken']):>5} "
+                  f"{fkda if isinstance(fkda, str) else f'{fkda:8.3f}':>8} {r['max_rel_err']:8.2e} "
+                  f"{str(r['untouched_ok']):>9}  {r['sglang_kernel']}")
         host_time = sglang.host_rows()
         print("host ms per extend call: " + ", ".join(f"{n} {t:.4f}" for n, t in host_time.items()))
         # Two kernels each within the floor of the float64 truth differ by at most twice it.

@@ -3,34 +3,52 @@ the calls SGLang's KDA backend makes (sglang 0.5.23, `kda_backend.py`), built he
 through kda_opt.sglang's KdaOptKDAKernel and SGLang's TritonKDAKernel (the oracle and the peer), and
 SGLang's FlashKDAKernel where flash_kda is importable.
 
-    extend   requests packed along T (query_start_loc), raw q/k (L2 norm in kernel), raw gate with
-             A_log [1, 1, H, 1] = log U(1, 16) and dt_bias [H·K] ~ N(0, 1) (fast decay), β logits; an fp32
-             pool [slots, H, V, K] read and written in place by cache_indices: every other request new
-             (its row zeros, as SGLang hands a new request), one padding request (−1) where asked
-    decode   one token per request, a [N, H·K] gate, two padding requests (−1)
-    verify   chain verify: T draft tokens per request, each token's state into
-             intermediate_states_buffer[request, t], the pool only read
+    extend         requests packed along T (query_start_loc), raw q/k (L2 norm in kernel), raw gate with
+                   A_log [1, 1, H, 1] = log U(1, 16) and dt_bias [H·K] ~ N(0, 1) (fast decay), β logits;
+                   an fp32 pool [slots, H, V, K] read and written in place by cache_indices: every other
+                   request new (its row zeros, as SGLang hands a new request), one padding request (−1)
+                   where asked
+    decode         one token per request, a [N, H·K] gate, two padding requests (−1): K3's decode
+    packed_decode  the same step with q, k, v still packed in the short convolution's output
+                   mixed_qkv [N, 3·H·K]: Kimi-Linear's decode on Hopper (SGLang's kernel runs its CUDA
+                   row-streaming kernel from 8 requests, its Triton one below)
+    verify         chain verify: `draft` tokens per request, each token's state into
+                   intermediate_states_buffer[request, t], the pool only read
 Kimi-Linear's calls take the softplus gate (no lower bound), K3's the safe gate (lower bound −5).
-Rows: `call, H, requests, tokens, gate, sglang_triton_ms, kda_opt_ms, speedup, sglang_flashkda_ms,
-max_rel_err, untouched_ok` to <out-dir>/sglang_<gpu>.csv; max_rel_err: kda_opt against SGLang's Triton
-kernel, the largest of o's and the named pool (or buffer) rows' relative errors; untouched_ok: every
-pool row not named left bit for bit as it was (both kernels).
+Rows: `call, H, requests, tokens, gate, sglang_kernel, timing, sglang_ms, kda_opt_ms, speedup, taken,
+sglang_flashkda_ms, max_rel_err, untouched_ok` to <out-dir>/sglang_<gpu>.csv. sglang_kernel: the
+TritonKDAKernel method and the kernel it ran on the row's call; timing: `eager` (extend: do_bench
+medians in turns, host included) or `graph` (decode and verify as servers run them: GRAPH_CALLS
+steps replayed from one CUDA graph, the L2 cache written between steps, common.graph_ms); taken:
+whether the plugin, at its defaults, runs kda_opt on the call (here it runs every call itself);
+max_rel_err: kda_opt against SGLang's kernel, the largest of o's and the named pool (or buffer) rows'
+relative errors; untouched_ok: every pool row not named left bit for bit as it was (both kernels).
 """
+from unittest import mock
+
 import torch
 
-from .common import NOT_RUN, host_ms, medians_in_turns, progress, show, write_rows
+from .common import NOT_RUN, graph_ms, host_ms, medians_in_turns, progress, show, write_rows
 
 K = 128
 GATES = {"softplus": None, "safe": -5.0}
 # (call, H, requests, tokens per step, gate): Kimi-Linear (softplus, 32 / 16 / 8 heads a GPU at TP 1 / 2 /
-# 4) and K3 (safe, 24 / 12 heads at TP 4 / 8) at chunked-prefill sizes, decode at 64 and 256 requests,
-# verify at 4 draft tokens.
+# 4; its packed decode also at 4, TP 8) and K3 (safe, 24 / 12 heads at TP 4 / 8) at chunked-prefill sizes,
+# decode at 32 to 512 requests, chain verify of 2 and 4 draft tokens at 64 requests.
 ROWS = ([("extend", H, n, T, "softplus") for H in (32, 16, 8) for n, T in ((1, 2048), (4, 8192), (8, 32768))]
         + [("extend", H, n, T, "safe") for H in (24, 12) for n, T in ((1, 2048), (4, 8192), (8, 32768))]
-        + [("decode", H, n, n, gate) for H, gate in ((32, "softplus"), (12, "safe")) for n in (64, 256)]
-        + [("verify", H, n, 4 * n, gate) for H, gate in ((32, "softplus"), (12, "safe")) for n in (64,)])
-FIELDS = ["call", "H", "requests", "tokens", "gate", "sglang_triton_ms", "kda_opt_ms", "speedup",
-          "sglang_flashkda_ms", "max_rel_err", "untouched_ok"]
+        + [("packed_decode", H, n, n, "softplus") for H in (32, 8, 4) for n in (32, 128, 512)]
+        + [("decode", H, n, n, "safe") for H in (24, 12) for n in (32, 128, 512)]
+        + [("verify", H, 64, draft * 64, gate) for H, gate in ((32, "softplus"), (12, "safe")) for draft in (2, 4)])
+FIELDS = ["call", "H", "requests", "tokens", "gate", "sglang_kernel", "timing", "sglang_ms", "kda_opt_ms", "speedup",
+          "taken", "sglang_flashkda_ms", "max_rel_err", "untouched_ok"]
+GRAPH_CALLS = 10     # steps per CUDA graph in a decode or verify row's time
+# The TritonKDAKernel method SGLang's backend calls for each call, and the kernel it runs there.
+METHODS = {"extend": "extend", "decode": "decode", "packed_decode": "packed_decode", "verify": "target_verify"}
+SGLANG_KERNELS = {"extend": "Triton chunk_kda", "decode": "Triton fused_sigmoid_gating_delta_rule_update",
+                  "verify": "Triton fused_sigmoid_gating_delta_rule_update",
+                  "packed_decode": "Triton fused_recurrent_kda_packed_decode"}
+CUDA_PACKED = "CUDA kda_packed_decode"
 
 
 def lengths(requests: int, tokens: int, seed: int = 0) -> list[int]:
@@ -47,12 +65,14 @@ def lengths(requests: int, tokens: int, seed: int = 0) -> list[int]:
 def step(call: str, H: int, lens: list[int], gate: str, *, pad: bool = False, draft: int = 4, seed: int = 0,
          device: str = "cuda") -> dict:
     """The arguments SGLang's KDA backend passes its kernel for one call (module docstring), as a dict
-    with `call` and `method`: for extend, `lens` are the requests' lengths (pad: one more request of
-    100 tokens on slot −1); for decode and verify, len(lens) is the number of requests."""
+    with `call`: for extend, `lens` are the requests' lengths (pad: one more request of 100 tokens on
+    slot −1); for the others, len(lens) is the number of requests. A packed decode's tensors are its
+    decode's (the same seed), q, k, v as the one tensor they are views of."""
     gen = torch.Generator().manual_seed(seed)
     randn = lambda *s: torch.randn(*s, generator=gen)
     N = len(lens)
-    if call == "decode":
+    one_token = call in ("decode", "packed_decode")
+    if one_token:
         lens = [1] * N
     if call == "verify":
         lens = [draft] * N
@@ -64,8 +84,8 @@ def step(call: str, H: int, lens: list[int], gate: str, *, pad: bool = False, dr
     index = torch.randperm(slots, generator=gen)[:len(lens)]
     if call == "extend":
         pool[index[1::2]] = 0                       # new requests: SGLang hands them a zeroed row
-    if pad or call == "decode":
-        index[-2 if call == "decode" else -1:] = -1
+    if pad or one_token:
+        index[-2 if one_token else -1:] = -1
     qsl = torch.tensor([0, *lens]).cumsum(0)
     A_log = torch.empty(1, 1, H, 1).uniform_(1.0, 16.0, generator=gen).log()
     a = randn(T, H * K)
@@ -86,6 +106,10 @@ def step(call: str, H: int, lens: list[int], gate: str, *, pad: bool = False, dr
     low = ("g", "a", "beta")
     args = {n: (x.to(device, torch.bfloat16 if n in low else None) if isinstance(x, torch.Tensor) else x)
             for n, x in args.items()}
+    if call == "packed_decode":
+        return dict(call=call, mixed_qkv=mixed, a=args["a"], b=args["beta"][0], A_log=args["A_log"],
+                    dt_bias=args["dt_bias"], scale=K ** -0.5, ssm_states=args["ssm_states"],
+                    cache_indices=args["cache_indices"], num_v_heads=H, head_v_dim=K, lower_bound=args["lower_bound"])
     return {"call": call, "q": q, "k": k, "v": v, **args}
 
 
@@ -143,6 +167,32 @@ def kernels():
     return ours(), ours.__mro__[1]()
 
 
+def calls_to(owner, name: str, f) -> bool:
+    """Whether f() calls owner's function `name` (spied on, and still run)."""
+    with mock.patch.object(owner, name, autospec=True, side_effect=getattr(owner, name)) as spy:
+        f()
+    return spy.called
+
+
+def taken(call: dict) -> bool:
+    """Whether the plugin's kernel at its defaults runs kda_opt on `call` (step): its method did not
+    hand the call to the TritonKDAKernel method it overrides."""
+    from kda_opt.sglang import kernel_class
+    ours = kernel_class()
+    return not calls_to(ours.__mro__[1], METHODS[call["call"]], lambda: run(ours(), call))
+
+
+def sglang_kernel(triton, call: dict) -> str:
+    """`method: kernel`, what SGLang's TritonKDAKernel `triton` runs on `call`: for packed decode its
+    CUDA kernel where that kernel's `covered` took the call, else its Triton kernel."""
+    kernel = SGLANG_KERNELS[call["call"]]
+    if call["call"] == "packed_decode":
+        from sglang.kernels.ops.attention import kda_packed_decode
+        if calls_to(kda_packed_decode, "kda_packed_decode", lambda: run(triton, call)):
+            kernel = CUDA_PACKED
+    return f"{METHODS[call['call']]}: {kernel}"
+
+
 def timed(kernel, call: dict):
     """A step() of `call` through `kernel`, on the call's own pool (each run continues it)."""
     args = arguments(call)
@@ -156,6 +206,8 @@ def run_in_place(kernel, name: str, args: dict):
     if name == "verify":
         return kernel.target_verify(a.pop("A_log"), a.pop("dt_bias"), a.pop("q"), a.pop("k"), a.pop("v"),
                                     a.pop("a"), a.pop("beta"), **a)
+    if name == "packed_decode":
+        return kernel.packed_decode(**a)
     gate = a.pop("g" if name == "extend" else "a")
     method = kernel.extend if name == "extend" else kernel.decode
     return method(a.pop("q"), a.pop("k"), a.pop("v"), gate, a.pop("beta"), **a)
@@ -164,24 +216,28 @@ def run_in_place(kernel, name: str, args: dict):
 @torch.inference_mode()
 def sglang_rows(out_dir, warmup=25, rep=100, quiet=False):
     """Measures every row of ROWS (a progress bar unless quiet), writes <out_dir>/sglang_<gpu>.csv and
-    returns the rows. kda_opt's kernel runs every decode and verify call itself here, whatever it
-    takes by default, so that the rows say where it should."""
+    returns the rows. kda_opt's kernel runs every call itself here, whatever it takes by default
+    (`taken`), so that the rows say where it should."""
     ours, triton = kernels()
     ours.decode_requests, ours.takes_verify = max(r[2] for r in ROWS), True
     flashkda = flashkda_kernel()
     rows = []
     label = lambda r: f"{r[0]} H={r[1]} N={r[2]} T={r[3]} {r[4]}"
     for name, H, requests, tokens, gate in progress(ROWS, label, quiet):
-        call = step(name, H, lengths(requests, tokens) if name == "extend" else [1] * requests, gate)
+        call = step(name, H, lengths(requests, tokens) if name == "extend" else [1] * requests, gate,
+                    draft=tokens // requests)
         err, same = compare(ours, triton, call)
-        runs = {"kda_opt": timed(ours, call), "sglang_triton": timed(triton, call)}
+        runs = {"kda_opt": timed(ours, call), "sglang": timed(triton, call)}
         if flashkda is not None and name == "extend" and gate == "safe":
             runs["sglang_flashkda"] = timed(flashkda, call)
-        ms = medians_in_turns(runs, warmup, rep)
-        row = dict(call=name, H=H, requests=requests, tokens=tokens, gate=gate,
-                   sglang_triton_ms=ms["sglang_triton"], kda_opt_ms=ms["kda_opt"],
-                   speedup=ms["sglang_triton"] / ms["kda_opt"], sglang_flashkda_ms=ms.get("sglang_flashkda", NOT_RUN),
-                   max_rel_err=err, untouched_ok=same)
+        if name == "extend":
+            ms = medians_in_turns(runs, warmup, rep)
+        else:
+            ms = {system: graph_ms(f, GRAPH_CALLS, cold=True) for system, f in runs.items()}
+        row = dict(call=name, H=H, requests=requests, tokens=tokens, gate=gate, sglang_kernel=sglang_kernel(triton, call),
+                   timing="eager" if name == "extend" else "graph", sglang_ms=ms["sglang"], kda_opt_ms=ms["kda_opt"],
+                   speedup=ms["sglang"] / ms["kda_opt"], taken=taken(call),
+                   sglang_flashkda_ms=ms.get("sglang_flashkda", NOT_RUN), max_rel_err=err, untouched_ok=same)
         show(row)
         rows.append(row)
     write_rows(rows, out_dir, "sglang", FIELDS)
