@@ -122,8 +122,9 @@ def kernel_class():
     return KdaOptKDAKernel
 
 
-# The largest decode step (requests) KdaOptKDAKernel takes: kda_decode measured at least SGLang's decode
-# kernel at 64 requests and below it at 256 (docs/BENCHMARKING.md, "SGLang").
+# The largest decode step (requests) KdaOptKDAKernel takes: the largest of `--test sglang`'s K3 decode
+# rows up to which kda_decode measured at least SGLang's decode kernel, as CUDA graph replays
+# (docs/BENCHMARKING.md, "SGLang").
 DECODE_REQUESTS = 64
 
 
