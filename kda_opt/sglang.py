@@ -125,7 +125,7 @@ def kernel_class():
 # The largest decode step (requests) KdaOptKDAKernel takes: the largest of `--test sglang`'s K3 decode
 # rows up to which kda_decode measured at least SGLang's decode kernel, as CUDA graph replays
 # (docs/BENCHMARKING.md, "SGLang").
-DECODE_REQUESTS = 64
+DECODE_REQUESTS = 512
 
 
 # SGLang's packed-decode keywords of its ReplaySSM ring, whose calls stay SGLang's.

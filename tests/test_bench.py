@@ -744,3 +744,23 @@ def test_decode_rows_and_floor_bytes():
     assert decode.state_bytes(64, 32, 4, "fp32", True) == 64 * 32 * 128 * 128 * 4 * 5
     assert decode.state_bytes(8, 8, 1, "bf16", False) == 8 * 8 * 128 * 128 * 2 * 2
     assert bench.parse_args(["--test", "decode"]).test == "decode"
+
+
+def test_sglang_compare_leaves_out_a_decodes_padding_outputs():
+    """--test sglang's error of a decode step: the live requests' o and pool rows; the padding
+    requests' o (which the caller drops, and SGLang's kernels write differently) left out."""
+    from kda_bench import sglang
+    call = sglang.step("decode", 2, [1] * 5, "safe", device="cpu")
+    live = call["cache_indices"] >= 0
+
+    class Kernel:                        # o: v, its padding requests' rows `pad`, its live ones moved by `shift`
+        def __init__(self, pad, shift):
+            self.pad, self.shift = pad, shift
+
+        def decode(self, q, k, v, a, b, **kw):
+            o = v.float().clone()
+            o[:, ~live] = self.pad
+            o[:, live] += self.shift
+            return o
+    assert sglang.compare(Kernel(0.0, 0.0), Kernel(5.0, 0.0), call) == (0.0, True)
+    assert sglang.compare(Kernel(0.0, 1.0), Kernel(0.0, 0.0), call)[0] > 0.1
