@@ -335,3 +335,35 @@ def validate_decode_serving(q, v, N, initial_state, output_final_state, inplace_
                              f"got strides {list(out.stride())}")
     check_pad_slot(pad_slot, indices)
     return columns
+
+
+def validate_decode_buffer(q, v, N, buffer, rows, indices, output_final_state, inplace_final_state, accepted,
+                           state_v_first, cu_seqlens) -> int:
+    """Checks kda_decode's intermediate_states_buffer and intermediate_state_indices (SGLang's verify)
+    against the rest of the call (validate_decode_serving's checks made); returns the buffer's states
+    per row, S."""
+    if rows is None:
+        raise ValueError("intermediate_states_buffer needs intermediate_state_indices: each request's row of it")
+    if indices is None or indices.dim() != 1:
+        raise ValueError("intermediate_states_buffer needs ssm_state_indices [N]: each request's start in the pool")
+    if output_final_state or inplace_final_state or accepted is not None:
+        raise ValueError("intermediate_states_buffer takes each token's state, the pool only read: not with "
+                         "output_final_state, inplace_final_state or num_accepted_tokens")
+    if not isinstance(buffer, torch.Tensor) or not buffer.is_floating_point():
+        raise TypeError(f"intermediate_states_buffer must be a floating-point torch.Tensor, got {buffer!r:.80}")
+    _check_state_dtype("intermediate_states_buffer", buffer)
+    B, T, _, K = q.shape
+    row = state_shape(1, v.shape[2], K, v.shape[3], state_v_first)[1:]
+    dense = (row[0] * row[1] * row[2], row[1] * row[2], row[2], 1)
+    if (buffer.dim() != 5 or tuple(buffer.shape[2:]) != row or min(buffer.shape[:2]) < 1
+            or tuple(buffer.stride()[1:]) != dense or buffer.stride(0) < buffer.shape[1] * dense[0]):
+        raise ValueError(f"intermediate_states_buffer must have shape [rows, S, {', '.join(map(str, row))}]"
+                         f"{' (V before K: state_v_first)' if state_v_first else ''} with each row's S states "
+                         f"dense, got shape {list(buffer.shape)}, strides {list(buffer.stride())}")
+    _check_integers("intermediate_state_indices", rows)
+    if tuple(rows.shape) != (N,):
+        raise ValueError(f"intermediate_state_indices must have shape [{N}], got {list(rows.shape)}")
+    if cu_seqlens is None and buffer.shape[1] < T:
+        raise ValueError(f"intermediate_states_buffer [rows, S, ...] holds each token's state: S must be at least "
+                         f"T={T}, got {buffer.shape[1]}")
+    return buffer.shape[1]

@@ -30,14 +30,16 @@ from .plan import DecodePlan, Entry, decode_plan_for
 # The modes as the kernel compares them (Triton reads globals only as constexprs).
 READ_ROW, READ_SLOT = tl.constexpr(Read.ROW), tl.constexpr(Read.SLOT)
 WRITE_ROW, WRITE_SLOT, WRITE_EACH_TOKEN = tl.constexpr(Write.ROW), tl.constexpr(Write.SLOT), tl.constexpr(Write.EACH_TOKEN)
+WRITE_BUFFER = tl.constexpr(Write.BUFFER)
 
 
-@triton.jit(do_not_specialize=["T", "slots", "pad_slot"])
+@triton.jit(do_not_specialize=["T", "slots", "pad_slot", "buffer_slots"])
 def decode_kernel(
     q, k, v, g, beta, A_log, dt_bias, o,    # tokens [·, ·, heads, channels]: row r at r · S*T, head at S*H
     s_in, s_out,                            # states: row r at r · S_IN / r · S_OUT; None where absent
     cu_seqlens, indices, accepted, has_state,  # [N + 1]; [N, COLUMNS] slots (row stride S_IDX); [N]; [N] bool
-    T, slots, pad_slot, scale, lower_bound,
+    buffer_rows,                            # [N]: s_out's rows of [COLUMNS, HV, ·, ·] states (WRITE_BUFFER)
+    T, slots, pad_slot, buffer_slots, scale, lower_bound,
     SQT, SQH, SKT, SKH, SVT, SVH, SGT, SGH, SBT, SBH, SOT, SOH, S_IN, S_OUT, S_IDX,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     MODE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
@@ -48,7 +50,8 @@ def decode_kernel(
     # READ (kda_opt/options.Read): zeros, dense row n, or pool row indices[n, accepted[n] − 1] (column
     # 0 without accepted); with HAS_MASK zeros where has_state[n] is false. WRITE (options.Write):
     # nothing, dense row n after the last token, pool row indices[n] after it, or pool row
-    # indices[n, t] after each token t (speculative verify). SINGLE: only the sequences of one token
+    # indices[n, t] after each token t (speculative verify), or the buffer's row buffer_rows[n], its
+    # state t, after each token t < COLUMNS (SGLang's verify: s_in the pool, only read). SINGLE: only the sequences of one token
     # (kda_forward's, where a packed call leaves them to this kernel); a program of any other reads,
     # computes and writes nothing.
     if BLOCKS_FIRST:    # grid (V / BV, HV, N): a (request, head)'s V blocks are neighbouring programs
@@ -108,6 +111,9 @@ def decode_kernel(
         if WRITE == WRITE_EACH_TOKEN:
             row = _rows(_slot(indices, i_n, t, live & (t < COLUMNS), slots, pad_slot, S_IDX, PAD), K, BV)
             tl.store(s_out + row * S_OUT + o_s, b_s.to(s_out.dtype.element_ty), mask=row >= 0)
+        if WRITE == WRITE_BUFFER:
+            row = _rows(_slot(buffer_rows, i_n, 0, live & (t < COLUMNS), buffer_slots, pad_slot, 1, False), K, BV)
+            tl.store(s_out + row * S_OUT + t * (HV * K * V) + o_s, b_s.to(s_out.dtype.element_ty), mask=row >= 0)
     if WRITE == WRITE_ROW:
         row = _rows(tl.where(live, i_n, -1), K, BV)
         tl.store(s_out + row * S_OUT + o_s, b_s.to(s_out.dtype.element_ty), mask=row >= 0)
@@ -134,10 +140,11 @@ def _rows(row, K: tl.constexpr, BV: tl.constexpr):
 
 
 def decode(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, final_state=None,
-           cu_seqlens=None, indices=None, accepted=None, out=None, has_initial_state=None, *,
+           cu_seqlens=None, indices=None, accepted=None, out=None, has_initial_state=None, buffer_rows=None, *,
            kernels: Kernels | None = None):
     """o [B, T, HV, V] (into `out` if given), the states read from initial_state and written into
-    final_state as the plan says (module docstring). Inputs validated by kda_opt/plan's
+    final_state as the plan says (module docstring; with Write.BUFFER final_state is the buffer
+    [rows, S, HV, ·, ·] and buffer_rows [N] its rows). Inputs validated by kda_opt/plan's
     make_decode_plan (or make_plan, for a packed prefill's sequences of one token: plan.single);
     their last dimension dense. has_initial_state: [N] bool, zeros where false (kda_forward's)."""
     o = torch.empty_like(v) if out is None else out
@@ -150,8 +157,9 @@ def decode(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial
         else (plan.N * plan.HV, plan.V // plan.block_v), kernels,
         q, k, v, g, beta, A_log, dt_bias, o,
         stand_in if initial_state is None else initial_state, stand_in if final_state is None else final_state,
-        cu_seqlens, indices, accepted, has_initial_state,
-        plan.T, plan.slots, -1 if plan.pad_slot is None else plan.pad_slot, plan.scale,
+        cu_seqlens, indices, accepted, has_initial_state, buffer_rows,
+        plan.T, plan.slots, -1 if plan.pad_slot is None else plan.pad_slot,
+        0 if buffer_rows is None else final_state.shape[0], plan.scale,
         float(plan.gate.lower_bound or 0.0),
         sq[1], sq[2], sk[1], sk[2], sv[1], sv[2], sg[1], sg[2], sb[1], sb[2], so[1], so[2],
         0 if initial_state is None else initial_state.stride(0), 0 if final_state is None else final_state.stride(0),
@@ -167,10 +175,11 @@ def decode(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial
 def _traced(arguments: dict):
     """kda_decode while torch.compile traces it: one custom op (kda_opt/op)."""
     a = arguments
-    writes = a["inplace_final_state"] or a["out"] is not None
+    buffer = a["intermediate_states_buffer"]
+    writes = a["inplace_final_state"] or a["out"] is not None or buffer is not None
     o, final = (torch.ops.kda_opt.decode_in_place if writes else torch.ops.kda_opt.decode)(**a)
     return (o if a["out"] is None else a["out"],
-            final if a["output_final_state"] else a["initial_state"] if a["inplace_final_state"] else None)
+            final if a["output_final_state"] else a["initial_state"] if a["inplace_final_state"] else buffer)
 
 
 @traced_as(_traced)
@@ -182,7 +191,8 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
                lower_bound: float | None = None, state_v_first: bool = False, cu_seqlens: torch.Tensor | None = None,
                *, inplace_final_state: bool = False, ssm_state_indices: torch.Tensor | None = None,
                num_accepted_tokens: torch.Tensor | None = None, out: torch.Tensor | None = None,
-               pad_slot: int | None = None):
+               pad_slot: int | None = None, intermediate_states_buffer: torch.Tensor | None = None,
+               intermediate_state_indices: torch.Tensor | None = None):
     r"""Decode steps and speculative verify; the same function and arguments as FLA 0.6.0's
     ``fused_recurrent_kda``, with the serving arguments of its ``fused_recurrent_kda_fwd``.
 
@@ -221,6 +231,16 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
             never read (the request starts from zeros) nor written, so any number of padding rows
             may name it.
 
+    SGLang's verify (its ``fused_sigmoid_gating_delta_rule_update``'s names), keyword-only:
+        intermediate_states_buffer: ``[rows, S, HV, K, V]`` (``[rows, S, HV, V, K]`` with
+            ``state_v_first``; each of its ``S`` states dense, fp32, bf16 or fp16): request n's state
+            after its token t is written to ``buffer[intermediate_state_indices[n], t]`` for each
+            ``t < min(S, its tokens)``, in the buffer's dtype; the pool (initial_state with ``[N]``
+            ssm_state_indices, which it needs) is only read. Not with ``inplace_final_state``,
+            ``output_final_state`` or ``num_accepted_tokens``.
+        intermediate_state_indices: ``[N]`` int32/int64 rows of the buffer (a negative one, or one
+            past it, is not written).
+
     Padding: a negative index, one at or past ``slots`` and ``pad_slot`` read as zeros and are not
     written; a request whose ``num_accepted_tokens`` is outside ``1 .. S`` (vLLM's rows of zero
     accepted tokens) starts from zeros and writes no state. No row of the pool other than those the
@@ -229,11 +249,13 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype (``out`` if given); final_state the pool
-        (``inplace_final_state``), the new ``[N, …]`` states (``output_final_state``), or None.
+        (``inplace_final_state``), the new ``[N, …]`` states (``output_final_state``), the buffer
+        (``intermediate_states_buffer``), or None.
 
     Needs a CUDA GPU of compute capability 9.0; forward only. No host-device synchronisation: it
     may be captured in a CUDA graph. Under torch.compile it is one custom op (kda_opt/op:
-    ``torch.ops.kda_opt.decode``, or ``decode_in_place`` where it writes the pool or ``out``).
+    ``torch.ops.kda_opt.decode``, or ``decode_in_place`` where it writes the pool, the buffer or
+    ``out``).
     """
     arguments = dict(locals())      # every argument by name, in the order of this signature: their one list
     return call(decode_plan_for(arguments), arguments)
@@ -241,7 +263,8 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
 
 # The call's tensors in run's order: the inputs a bound call (kda_opt/bound) replays on.
 _INPUTS = operator.itemgetter("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens",
-                              "ssm_state_indices", "num_accepted_tokens", "out")
+                              "ssm_state_indices", "num_accepted_tokens", "out", "intermediate_states_buffer",
+                              "intermediate_state_indices")
 
 
 def call(entry: Entry, arguments: dict):
@@ -252,14 +275,15 @@ def call(entry: Entry, arguments: dict):
 
 
 def run(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, cu_seqlens=None,
-        ssm_state_indices=None, num_accepted_tokens=None, out=None, *, kernels: Kernels | None = None):
+        ssm_state_indices=None, num_accepted_tokens=None, out=None, intermediate_states_buffer=None,
+        intermediate_state_indices=None, *, kernels: Kernels | None = None):
     """kda_decode's call under its plan: (o, final_state)."""
-    final = initial_state if plan.write else None
+    final = intermediate_states_buffer if plan.write == Write.BUFFER else initial_state if plan.write else None
     if plan.output_final_state:
         final = q.new_empty(state_shape(plan.N, plan.HV, plan.K, plan.V, plan.state_v_first), dtype=torch.float32)
     q, k, v, g, beta = (_token_rows(x) for x in (q, k, v, g, beta))
     o = decode(plan, q, k, v, g, beta, A_log, dt_bias, initial_state, final, cu_seqlens, ssm_state_indices,
-               num_accepted_tokens, out, kernels=kernels)
+               num_accepted_tokens, out, None, intermediate_state_indices, kernels=kernels)
     return o, final
 
 

@@ -120,7 +120,7 @@ def direct_fused_recurrent_kda(own):
 
 # kda_decode's serving arguments as FLA's fused_recurrent_kda passes them on (none of them).
 DECODE_SERVING = dict(inplace_final_state=False, ssm_state_indices=None, num_accepted_tokens=None, out=None,
-                      pad_slot=None)
+                      pad_slot=None, intermediate_states_buffer=None, intermediate_state_indices=None)
 
 
 @functools.cache
@@ -289,7 +289,7 @@ def _decode_backend_class():
                 return False, f"needs a CUDA GPU of compute capability 9.x, q is on {q.device}"
             if ssm_state_indices is not None and output_final_state and not inplace_final_state:
                 return False, "per-token final states (ssm_state_indices, output_final_state, not in place)"
-            decode_checks({**_decode_arguments(locals()), "pad_slot": None})
+            decode_checks(_decode_arguments(locals()))
             return True, None
 
         def fused_recurrent_kda_fwd(self, q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None,
@@ -305,10 +305,10 @@ def _decode_backend_class():
 
 
 def _decode_arguments(call: dict) -> dict:
-    """fused_recurrent_kda_fwd's arguments (its locals) as kda_decode's keywords: in place wins over
-    output_final_state, as in FLA."""
+    """fused_recurrent_kda_fwd's arguments (its locals) as kda_decode's keywords, every one (those FLA
+    has not: DECODE_SERVING's): in place wins over output_final_state, as in FLA."""
     names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "scale", "state_v_first", "cu_seqlens",
              "ssm_state_indices", "num_accepted_tokens", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
              "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "lower_bound", "out", "inplace_final_state")
-    return {**{n: call[n] for n in names},
+    return {**DECODE_SERVING, **{n: call[n] for n in names},
             "output_final_state": call["output_final_state"] and not call["inplace_final_state"]}

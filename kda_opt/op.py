@@ -4,7 +4,8 @@
     torch.ops.kda_opt.forward_in_place   also writes initial_state (a state pool, read and written
                                          at initial_state_indices) and checkpoints in place
     torch.ops.kda_opt.decode             kda_decode, mutating nothing: o, and the final states when asked
-    torch.ops.kda_opt.decode_in_place    also writes initial_state (inplace_final_state) and out
+    torch.ops.kda_opt.decode_in_place    also writes initial_state (inplace_final_state), out and
+                                         intermediate_states_buffer
 
 Under torch.compile, kda_forward calls one of them: the compiler sees one opaque call whose outputs
 the fake implementation describes (o like v; the final state [N, HV, K, V] fp32, V-first with
@@ -102,4 +103,5 @@ def _decode_fake(*args, **kwargs):
 
 
 decode_op = _op("decode", DECODE, _decode, _decode_fake)
-decode_in_place_op = _op("decode_in_place", DECODE, _decode, _decode_fake, writes=("initial_state", "out"))
+decode_in_place_op = _op("decode_in_place", DECODE, _decode, _decode_fake,
+                        writes=("initial_state", "out", "intermediate_states_buffer"))

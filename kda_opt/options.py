@@ -37,6 +37,7 @@ class Write(IntEnum):
     ROW = 1         # dense row n, after the last token
     SLOT = 2        # pool row indices[n], after the last token
     EACH_TOKEN = 3  # pool row indices[n, t], after each token t (speculative verify)
+    BUFFER = 4      # buffer[buffer_rows[n], t], after each token t (SGLang's verify: the pool only read)
 
 
 def state_shape(N: int, HV: int, K: int, V: int, v_first: bool) -> tuple[int, int, int, int]:

@@ -44,7 +44,8 @@ from typing import Any, NamedTuple
 import torch
 
 from .checks import (check_host_copies, check_pad_slot, checked_scale, rows_readable, validate,
-                     validate_batch_extent, validate_decode_serving, validate_devices, validate_serving)
+                     validate_batch_extent, validate_decode_buffer, validate_decode_serving, validate_devices,
+                     validate_serving)
 from .fastpath import ALIGNMENT_FIXED
 from .intra import warps_for
 from .launch import Kernels
@@ -218,7 +219,7 @@ def make_plan(arguments: Mapping[str, Any], tuning: Tuning = Tuning(), sms: int 
     # (With checkpoint offsets a sequence of one chunk may be cut in two: stage 4's own launches.)
     short_sequences = packed and tuning.short_sequences and a.checkpoint_offsets is None
     packed_one_pass = packed and len(segments) == 1 and not parallel     # stage 4 once over the sequences
-    sized = packed_one_pass and short_sequences and tuning.sized_launches and a.cu_seqlens_cpu is not None
+    hosted = packed_one_pass and short_sequences and a.cu_seqlens_cpu is not None   # the host lengths in hand
     return Plan(
         B=B, T=T, H=H, K=K, HV=HV, V=V, N=N, dtype=q.dtype,
         scale=K ** -0.5 if scale is None else scale,
@@ -242,10 +243,9 @@ def make_plan(arguments: Mapping[str, Any], tuning: Tuning = Tuning(), sms: int 
         # Stages 1–2 over the chunks there are, stage 4 without a launch that has no sequence of its
         # kind and its ordered long launch over the long sequences only: a program that would end at
         # once still costs its launch (stage 4's: one CTA per SM at a time).
-        sized_launches=sized,
+        sized_launches=hosted and tuning.sized_launches,
         # (Not with checkpoints: the segments would need their rows, which nothing hands them.)
-        ahead=ahead_rule(tuning, block_v) if packed_one_pass and short_sequences and a.cu_seqlens_cpu is not None and tuning.ahead
-        and a.checkpoints is None else None,
+        ahead=ahead_rule(tuning, block_v) if hosted and tuning.ahead and a.checkpoints is None else None,
         intra_warps=tuning.intra_warps or warps_for(q.dtype), worker_warps=tuning.worker_warps, sms=sms,
         decode=_routed_decodes(Sizes(B, T, H, K, HV, V, N), scale, a.use_qk_l2norm_in_kernel, a.use_gate_in_kernel,
                                a.lower_bound, a.use_beta_sigmoid_in_kernel, a.allow_neg_eigval, state_v_first,
@@ -498,7 +498,7 @@ class DecodePlan(Sizes):
     read: Read                    # zeros, initial_state[n], or the pool at ssm_state_indices
     write: Write                  # none, final[n], the pool at [N] indices, or per token at [N, S] ones
     output_final_state: bool      # final[n] a new [N, …] fp32 tensor (else initial_state, in place)
-    columns: int                  # S of [N, S] indices (1 for [N], 0 without)
+    columns: int                  # S of [N, S] indices or of the buffer (1 for [N] indices, 0 without)
     slots: int                    # the pool's rows (0 without one)
     pad_slot: int | None
     single: bool                  # only the sequences of one token (a packed kda_forward call's)
@@ -526,12 +526,19 @@ def make_decode_plan(arguments: Mapping[str, Any], sms: int | None = None) -> De
     HV, V = v.shape[2], v.shape[3]
     columns = validate_decode_serving(q, v, N, initial_state, a.output_final_state, a.inplace_final_state, indices,
                                       a.num_accepted_tokens, a.out, a.pad_slot, a.state_v_first, a.cu_seqlens)
+    buffer = a.intermediate_states_buffer
+    if buffer is not None:
+        columns = validate_decode_buffer(q, v, N, buffer, a.intermediate_state_indices, indices, a.output_final_state,
+                                         a.inplace_final_state, a.num_accepted_tokens, a.state_v_first, a.cu_seqlens)
+    elif a.intermediate_state_indices is not None:
+        raise ValueError("intermediate_state_indices name rows of intermediate_states_buffer: it needs one")
     if sms is None:
         validate_devices(q, k=a.k, v=v, g=a.g, beta=a.beta, initial_state=initial_state, A_log=a.A_log,
                          dt_bias=a.dt_bias, cu_seqlens=a.cu_seqlens, ssm_state_indices=indices,
-                         num_accepted_tokens=a.num_accepted_tokens, out=a.out)
+                         num_accepted_tokens=a.num_accepted_tokens, out=a.out, intermediate_states_buffer=buffer,
+                         intermediate_state_indices=a.intermediate_state_indices)
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    write = Write.NONE
+    write = Write.NONE if buffer is None else Write.BUFFER
     if a.output_final_state:
         write = Write.ROW
     elif a.inplace_final_state:

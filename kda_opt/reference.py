@@ -233,11 +233,11 @@ def reference_decode(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, ini
                      output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                      use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None, state_v_first=False,
                      cu_seqlens=None, *, inplace_final_state=False, ssm_state_indices=None, num_accepted_tokens=None,
-                     out=None, pad_slot=None):
+                     out=None, pad_slot=None, intermediate_states_buffer=None, intermediate_state_indices=None):
     """kda_decode's arguments → float64 (o, final state): the new final states
     (output_final_state), a float64 copy of the pool or of initial_state with the rows the call writes
-    replaced (inplace_final_state), or None; by its docstring's rules for slots, padding and accepted
-    tokens, token after token."""
+    replaced (inplace_final_state), such a copy of intermediate_states_buffer (with one), or None; by
+    its docstring's rules for slots, padding and accepted tokens, token after token."""
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     if use_beta_sigmoid_in_kernel:
@@ -253,6 +253,7 @@ def reference_decode(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, ini
     slots = 0 if pool is None else pool.shape[0]
     index = None if ssm_state_indices is None else ssm_state_indices.view(len(bounds) - 1, -1).tolist()
     per_token = ssm_state_indices is not None and ssm_state_indices.dim() == 2
+    buffer = None if intermediate_states_buffer is None else intermediate_states_buffer.double().clone()
 
     def slot(n, column, live):
         row = index[n][column] if live and 0 <= column < len(index[n]) else -1
@@ -275,6 +276,8 @@ def reference_decode(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, ini
                 row = slot(n, t, live)
                 if row is not None:
                     written[row] = layout(S[0])
+            if buffer is not None and 0 <= int(intermediate_state_indices[n]) < len(buffer) and t < buffer.shape[1]:
+                buffer[int(intermediate_state_indices[n]), t] = layout(S[0])
         finals.append(S[0])
         if inplace_final_state and not per_token:
             row = n if index is None else slot(n, 0, live)
@@ -283,4 +286,4 @@ def reference_decode(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, ini
     o = o.view(B, T, HV, V)
     if output_final_state:
         return o, layout(torch.stack(finals))
-    return o, written
+    return o, written if buffer is None else buffer

@@ -223,13 +223,14 @@ def _starts(ssm_states, indices):
     return torch.where(live.view(-1, 1, 1, 1), ssm_states.index_select(0, indices.clamp(0, slots - 1)), 0)
 
 
-def _decode(q, k, v, a, b, *, A_log, dt_bias, lower_bound, query_start_loc, pool, indices, accepted=None):
+def _decode(q, k, v, a, b, *, A_log, dt_bias, lower_bound, query_start_loc, pool, indices, **buffer):
     """kda_decode on SGLang's decode-style call (a: the gate [tokens, HV·K], b: β logits), the states
-    read from and written into `pool` in place by `indices` (and `accepted`): o [1, tokens, HV, V]."""
+    read from `pool` by `indices` and written into it in place, or with `buffer` (kda_decode's
+    intermediate_states_buffer and intermediate_state_indices) into that: o [1, tokens, HV, V]."""
     o, _ = kda_decode(q, k, v, a.reshape(v.shape[:-1] + (q.shape[-1],)), b, scale=None, initial_state=pool,
-                      use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, **_gate(A_log, dt_bias, lower_bound),
-                      state_v_first=True, cu_seqlens=query_start_loc, inplace_final_state=True,
-                      ssm_state_indices=indices, num_accepted_tokens=accepted)
+                      use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                      **_gate(A_log, dt_bias, lower_bound), state_v_first=True, cu_seqlens=query_start_loc,
+                      inplace_final_state=not buffer, ssm_state_indices=indices, **buffer)
     return o
 
 
@@ -260,18 +261,11 @@ def packed_decode(mixed_qkv, a, b, *, A_log, dt_bias, scale, ssm_states, cache_i
 def verify(q, k, v, a, b, *, A_log, dt_bias, ssm_states, cache_indices, query_start_loc,
            intermediate_states_buffer, intermediate_state_indices, cache_steps, lower_bound):
     """SGLang's chain verify through kda_decode: o [1, T, HV, V]; request n's state after its draft
-    token t into intermediate_states_buffer[intermediate_state_indices[n], t], the pool only read.
-
-    kda_decode reads and writes one pool: here the buffer, its rows [rows · cache_steps, HV, V, K].
-    Request n's start (pool[cache_indices[n]], zeros for −1) is first copied into its row of its last
-    token, which kda_decode reads first and overwrites last; its tokens' states go to the rows after
-    intermediate_state_indices[n] · cache_steps. SGLang gives padding requests a discard row of their
-    own (they write zeros there, as its kernel does)."""
+    token t into intermediate_states_buffer[intermediate_state_indices[n], t] (t < cache_steps), the
+    pool only read, in one pass. SGLang gives padding requests (cache_indices −1: a zero start) a
+    discard row of their own, which they write as its kernel does."""
     N = query_start_loc.shape[0] - 1
-    buffer = intermediate_states_buffer.view(-1, *intermediate_states_buffer.shape[2:])
-    base = intermediate_state_indices[:N].to(torch.int64) * cache_steps
-    last = query_start_loc.diff().clamp(1, cache_steps) - 1
-    buffer.index_copy_(0, base + last, _starts(ssm_states, cache_indices[:N]).to(buffer.dtype))
-    columns = base.view(-1, 1) + torch.arange(cache_steps, device=base.device)
     return _decode(q, k, v, a, b, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                   query_start_loc=query_start_loc, pool=buffer, indices=columns, accepted=last + 1)
+                   query_start_loc=query_start_loc, pool=ssm_states, indices=cache_indices[:N],
+                   intermediate_states_buffer=intermediate_states_buffer[:, :cache_steps],
+                   intermediate_state_indices=intermediate_state_indices[:N])

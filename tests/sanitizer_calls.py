@@ -143,6 +143,10 @@ CALLS = {
     "verify, [N, S] slots, accepted counts": lambda: kda_decode(**decode_call(
         [4, 2, 3], torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]), 12,
         num_accepted_tokens=torch.tensor([4, 0, 2], device="cuda"), v_first=True)),
+    "verify into a buffer (SGLang's), the pool only read": lambda: kda_decode(**decode_call(
+        [4, 2, 5], torch.tensor([3, -1, 0]), 6, v_first=True, inplace_final_state=False,
+        intermediate_states_buffer=torch.randn(4, 5, H, K, K, device="cuda")[:, :4],
+        intermediate_state_indices=torch.tensor([2, 0, -1], device="cuda"))),
 }
 
 

@@ -23,9 +23,10 @@ TOLERANCE = 2e-2 if HAS_CUDA else 1e-5
 
 def inputs(N, T, H, K, *, HV=None, lens=None, gate="safe", l2norm=False, beta_logits=False, neg_eigval=False,
            v_first=False, slots=None, indices=None, accepted=None, pool_dtype=torch.float32, pad_slot=None,
-           inplace=False, output_final_state=False, state=True, seed=0):
+           inplace=False, output_final_state=False, state=True, buffer_rows=None, steps=None, seed=0):
     """kda_decode's arguments: N requests of T tokens (packed with `lens`), a pool of `slots` rows (padded)
-    at `indices`, or a dense state per request."""
+    at `indices`, or a dense state per request; with buffer_rows, a buffer of `steps` states a row (its
+    rows padded: `steps` of `steps` + 1) at those rows, in the pool's dtype."""
     gen = torch.Generator().manual_seed(seed)
     HV = HV or H
     B, T = (1, sum(lens)) if lens else (N, T)
@@ -58,6 +59,10 @@ def inputs(N, T, H, K, *, HV=None, lens=None, gate="safe", l2norm=False, beta_lo
             args["num_accepted_tokens"] = torch.tensor(accepted, device=DEVICE)
     elif state:
         args["initial_state"] = rand(N, HV, K, K).to(DEVICE)
+    if buffer_rows is not None:
+        buffer = rand(max(buffer_rows) + 2, steps + 1, HV, K, K)[:, :steps]
+        args.update(intermediate_states_buffer=buffer.to(DEVICE, pool_dtype),
+                    intermediate_state_indices=torch.tensor(buffer_rows, device=DEVICE))
     return args
 
 
@@ -68,21 +73,32 @@ def decoded(args):
         return kda_decode(**args)
     plan = make_decode_plan(arguments_of(kda_decode, **args), sms=SMS)
     names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens", "ssm_state_indices",
-             "num_accepted_tokens", "out")
+             "num_accepted_tokens", "out", "intermediate_states_buffer", "intermediate_state_indices")
     return run(plan, **{n: args.get(n) for n in names})
 
 
 def check(args):
     """o and the states against reference_decode: written rows within TOLERANCE, every other row of
-    the pool bit for bit as it was."""
+    the pool (or the buffer, which leaves the pool as it was) bit for bit as it was."""
     before = None if args.get("initial_state") is None else args["initial_state"].clone()
+    buffer = args.get("intermediate_states_buffer")
+    buffered = buffer is not None
+    if buffered:   # (its rows' padding, the states past S, as a view of their own)
+        pool, before = args["initial_state"], buffer.clone()
+        padding = buffer.as_strided((buffer.shape[0], buffer.stride(0) // buffer.stride(1) - buffer.shape[1],
+                                     *buffer.shape[2:]), buffer.stride(), buffer.storage_offset() + buffer.stride(1)
+                                    * buffer.shape[1])
+        padding_before = padding.clone()
     o, final = decoded(args)
-    ref_o, ref_final = reference_decode(**{**args, "initial_state": before})
+    ref_o, ref_final = reference_decode(**{**args, "initial_state": pool.clone() if buffered else before,
+                                           "intermediate_states_buffer": before if buffered else None})
     assert rel_err(o, ref_o) < TOLERANCE
+    if buffered:
+        assert final is buffer and torch.equal(args["initial_state"], pool) and torch.equal(padding, padding_before)
     if ref_final is None:
         assert final is None
         return o, final
-    if args.get("inplace_final_state"):
+    if args.get("inplace_final_state") or buffered:
         changed = (ref_final != before.double()).flatten(1).any(1)
         assert torch.equal(final[~changed], before[~changed])
         if changed.any():   # (a 16-bit pool: within 3× its own rounding of the reference; the interpreter truncates)
@@ -115,6 +131,15 @@ CASES = {
                                     indices=[[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], accepted=[2, 1, 4],
                                     inplace=True),
     "K = V = 128": dict(N=2, T=2, H=1, K=128, slots=3, indices=[[2, 0], [1, -1]], inplace=True),
+    # SGLang's verify: the pool only read, each token's state into the request's buffer row (a token
+    # past its S, a negative row: not written; a −1 slot: a zero start).
+    "verify into a buffer, packed, V-first": dict(N=4, T=None, H=2, K=64, lens=[2, 5, 1, 3], slots=6,
+                                                  indices=[4, -1, 2, 0], buffer_rows=[3, 0, -1, 1], steps=4,
+                                                  v_first=True),
+    "verify into a bf16 buffer, softplus, l2norm, logits": dict(N=2, T=3, H=2, K=64, slots=3, indices=[1, 0],
+                                                                buffer_rows=[1, 0], steps=3, gate="softplus",
+                                                                l2norm=True, beta_logits=True,
+                                                                pool_dtype=torch.bfloat16),
 }
 
 
@@ -184,6 +209,8 @@ def test_plan_reads_and_writes():
     assert (plan().read, plan().write, plan().columns, plan().slots) == (2, 2, 1, 6)
     verify = plan(T=2, indices=[[0, 1], [2, 3], [4, 5], [1, 2]])
     assert (verify.write, verify.columns) == (3, 2)
+    buffered = plan(T=2, inplace=False, buffer_rows=[0, 1, 2, 3], steps=3)
+    assert (buffered.read, buffered.write, buffered.columns, buffered.slots) == (2, 4, 3, 6)
     dense = plan(slots=None, indices=None, inplace=False, output_final_state=True)
     assert (dense.read, dense.write, dense.output_final_state) == (1, 1, True)
     assert plan(slots=None, indices=None, inplace=False, state=False).read == 0
@@ -230,6 +257,24 @@ BAD_INPUTS = {
     "a pad slot without indices": (ValueError, "needs slot indices", dict(
         ssm_state_indices=None, initial_state=torch.zeros(2, 2, 64, 64), pad_slot=0)),
     "a NaN scale": (ValueError, "finite", dict(scale=float("nan"))),
+    "a buffer without its rows": (ValueError, "needs intermediate_state_indices", dict(
+        inplace_final_state=False, intermediate_states_buffer=torch.zeros(3, 1, 2, 64, 64))),
+    "buffer rows without a buffer": (ValueError, "it needs one", dict(intermediate_state_indices=torch.tensor([0, 1]))),
+    "a buffer and the pool written": (ValueError, "not with", dict(
+        intermediate_states_buffer=torch.zeros(3, 1, 2, 64, 64), intermediate_state_indices=torch.tensor([0, 1]))),
+    "a buffer of the wrong shape": (ValueError, r"\[rows, S, 2, 64, 64\]", dict(
+        inplace_final_state=False, intermediate_states_buffer=torch.zeros(3, 1, 2, 64, 32),
+        intermediate_state_indices=torch.tensor([0, 1]))),
+    "a buffer too short for T": (ValueError, "S must be at least", dict(
+        inplace_final_state=False, intermediate_states_buffer=torch.zeros(3, 1, 2, 64, 64),
+        intermediate_state_indices=torch.tensor([0, 1]), **{n: inputs(N=2, T=2, H=2, K=64, state=False)[n]
+                                                           for n in ("q", "k", "v", "g", "beta")})),
+    "a buffer with [N, S] slots": (ValueError, r"ssm_state_indices \[N\]", dict(
+        inplace_final_state=False, intermediate_states_buffer=torch.zeros(3, 1, 2, 64, 64),
+        intermediate_state_indices=torch.tensor([0, 1]), ssm_state_indices=torch.tensor([[2], [0]]))),
+    "buffer rows of the wrong length": (ValueError, r"intermediate_state_indices must have shape \[2\]", dict(
+        inplace_final_state=False, intermediate_states_buffer=torch.zeros(3, 1, 2, 64, 64),
+        intermediate_state_indices=torch.tensor([0]))),
 }
 
 
@@ -264,12 +309,15 @@ def test_decode_on_the_gpu_as_fla():
 # ---- the kernel compiled for sm_90 (no GPU needed: Triton's own ptxas) ----
 
 POINTERS = dict(q="*bf16", k="*bf16", v="*bf16", g="*bf16", beta="*bf16", A_log="*fp32", dt_bias="*fp32", o="*bf16",
-                s_in="*fp32", s_out="*fp32", cu_seqlens="*i64", indices="*i64", accepted="*i64", has_state="*i1")
+                s_in="*fp32", s_out="*fp32", cu_seqlens="*i64", indices="*i64", accepted="*i64", has_state="*i1",
+                buffer_rows="*i32")
 KIMI_DECODE = dict(H=32, HV=32, K=128, V=128, BV=64, MODE=1, HAS_A=True, HAS_BIAS=True, L2NORM=True, BETA_SIGMOID=1.0,
                    V_FIRST=True, PACKED=True, READ=2, WRITE=2, COLUMNS=1, ACCEPTED=False, PAD=True, HAS_MASK=False,
                    SINGLE=False, BLOCKS_FIRST=False)
 VARIANTS = [
-    dict(), dict(BV=16, num_warps=1), dict(BV=16, num_warps=1, BLOCKS_FIRST=True), dict(V_FIRST=False, WRITE=3, COLUMNS=4, ACCEPTED=True, num_warps=4),
+    dict(), dict(BV=16, num_warps=1), dict(BV=16, num_warps=1, BLOCKS_FIRST=True),
+    dict(V_FIRST=False, WRITE=3, COLUMNS=4, ACCEPTED=True, num_warps=4),
+    dict(BV=16, num_warps=1, WRITE=4, COLUMNS=4),
     dict(WRITE=3, COLUMNS=2, PACKED=False), dict(SINGLE=True, HAS_MASK=True, PAD=False),
     dict(SINGLE=True, READ=1, WRITE=1, HAS_MASK=True, PAD=False),
     dict(READ=1, WRITE=1, PACKED=False, PAD=False, L2NORM=False, BETA_SIGMOID=0.0, MODE=0, HAS_A=False,

@@ -35,18 +35,20 @@ def inputs(call):
     return args
 
 
-def worker(rank, world, path, args):
+def worker(rank, world, path, args, lone):
     """Rank `rank`'s slice of `args`, which the test's process made once: inputs drawn in each rank
-    differed between processes now and then (beta's fp32 logits on the CPU, by up to 3e-5)."""
+    differed between processes now and then (beta's fp32 logits on the CPU, by up to 3e-5). A lone
+    sequence's initial state goes to rank 0 only; packed sequences' states to every rank (each takes
+    those of the sequences that start on it)."""
     dist.init_process_group("gloo", init_method=f"file://{path}/pg", rank=rank, world_size=world)
     try:
         bounds = [sum(SPLITS[world][:r]) for r in range(world + 1)]
         mine = {n: x[:, bounds[rank]:bounds[rank + 1]] if n in ("q", "k", "v", "g", "beta") else x
                 for n, x in args.items()}
         mine.pop("output_final_state")
-        initial = mine.pop("initial_state", None)
-        o, final = kda_forward_cp(**mine, initial_state=initial if rank == 0 else None, output_final_state=True,
-                                  engine=Reference())
+        if lone and rank > 0:
+            mine.pop("initial_state", None)
+        o, final = kda_forward_cp(**mine, output_final_state=True, engine=Reference())
         torch.save((o, final), f"{path}/out{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -56,7 +58,7 @@ def worker(rank, world, path, args):
 @pytest.mark.parametrize("call", list(CALLS))
 def test_slices_across_processes_equal_one_pass(tmp_path, world, call):
     args = inputs(CALLS[call])
-    mp.spawn(worker, args=(world, str(tmp_path), args), nprocs=world, join=True)
+    mp.spawn(worker, args=(world, str(tmp_path), args, True), nprocs=world, join=True)
     outs = [torch.load(tmp_path / f"out{r}.pt") for r in range(world)]
     ref_o, ref_s = reference.reference_forward(**args)
     o = torch.cat([x for x, _ in outs], dim=1)
@@ -71,20 +73,6 @@ def test_slices_across_processes_equal_one_pass(tmp_path, world, call):
 # every rank boundary of both splits, one that starts on a boundary of the three-rank split (100), an
 # empty one there too.
 PACKED = {"across": [0, 40, 40, 200, 230, 300], "on the boundaries": [0, 100, 100, 130, 300]}
-
-
-def packed_worker(rank, world, path, args):
-    """worker's packed call: rank `rank`'s slice of `args` (made once, by the test's process)."""
-    dist.init_process_group("gloo", init_method=f"file://{path}/pg", rank=rank, world_size=world)
-    try:
-        bounds = [sum(SPLITS[world][:r]) for r in range(world + 1)]
-        mine = {n: x[:, bounds[rank]:bounds[rank + 1]] if n in ("q", "k", "v", "g", "beta") else x
-                for n, x in args.items()}
-        mine.pop("output_final_state")
-        o, final = kda_forward_cp(**mine, output_final_state=True, engine=Reference())
-        torch.save((o, final), f"{path}/out{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 def packed_inputs(call, cu):
@@ -106,7 +94,7 @@ def test_packed_slices_across_processes_equal_one_pass(tmp_path, world, call, la
     rank boundaries, one starting on a boundary, empty ones): o as the whole packed call's, and every
     final state from the rank where its sequence ends (the ranks' rows summed)."""
     args = packed_inputs(CALLS[call], PACKED[layout])
-    mp.spawn(packed_worker, args=(world, str(tmp_path), args), nprocs=world, join=True)
+    mp.spawn(worker, args=(world, str(tmp_path), args, False), nprocs=world, join=True)
     outs = [torch.load(tmp_path / f"out{r}.pt") for r in range(world)]
     ref_o, ref_s = reference.reference_forward(**args)
     assert reference.rel_err(torch.cat([x for x, _ in outs], dim=1), ref_o) < 1e-6

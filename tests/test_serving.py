@@ -459,7 +459,8 @@ def test_kda_forward_takes_the_longest_ahead_bound():
     assert torch.equal(o, o_stages) and torch.equal(replayed["initial_state"], stages["initial_state"])
     one_pass = {**args, "initial_state": pool.clone(), "cu_seqlens_cpu": None}
     o0, _ = kda_forward(**one_pass)
-    assert rel_err(o, o0) <= ERROR_FLOOR and rel_err(replayed["initial_state"], one_pass["initial_state"]) <= ERROR_FLOOR
+    assert rel_err(o, o0) <= ERROR_FLOOR
+    assert rel_err(replayed["initial_state"], one_pass["initial_state"]) <= ERROR_FLOOR
     untouched = [r for r in range(12) if r not in args["initial_state_indices"].tolist()]
     assert torch.equal(replayed["initial_state"][untouched], pool[untouched])
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds .devsglang/ in the project root: SGLang's wheel (cp312, --no-deps) and the modules its KDA
 # kernels' import chain needs that the GPU image lacks, for the SGLang tests and `--test sglang` on the
-# lent GPU machine (Python 3.12, torch and triton preinstalled). About 50 MB: it rides a SECOND call on
+# lent GPU machine (Python 3.12, torch and triton preinstalled). About 53 MB: it rides a SECOND call on
 # a machine still warm from a kit call, as ../shared/device/make-peers.sh's peers do:
 #   call 1: carry [".devkit"]    -> source .devkit/setup.sh && <anything>      (installs the kit into /tmp/kdakit)
 #   call 2: carry [".devsglang"] -> source .devsglang/setup.sh && <sglang run> (within ~30 s of call 1's end)
@@ -35,5 +35,9 @@ print(next(line.split("==")[1].strip() for line in wheel.read(meta).decode().spl
            if line.startswith("Requires-Dist: apache-tvm-ffi==")))
 PY
 )"
+# SGLang's Helion KDA backend (`--linear-attn-{prefill,decode}-backend helion`, kda_helion.py): the
+# version its own error message asks for (its configs are tuned on it); Helion's imports are otherwise
+# on the image, filecheck its one declared dependency that is not.
+pipdl "helion==${HELION_VERSION:-1.4.0}" filecheck
 cp "$(dirname "${BASH_SOURCE[0]}")/sglang-setup.sh" "$P/setup.sh"
 du -sb "$P" | awk '{printf "sglang: %.1f MB\n", $1/1e6}'

@@ -22,7 +22,8 @@ medians in turns, host included) or `graph` (decode and verify as servers run th
 steps replayed from one CUDA graph, the L2 cache written between steps, common.graph_ms); taken:
 whether the plugin, at its defaults, runs kda_opt on the call (here it runs every call itself);
 max_rel_err: kda_opt against SGLang's kernel, the largest of o's (a decode's live requests') and the
-named pool (or buffer) rows' relative errors; untouched_ok: every pool row not named left bit for bit as it was (both kernels).
+named pool (or buffer) rows' relative errors; untouched_ok: every pool row not named left bit for bit
+as it was (both kernels).
 """
 from unittest import mock
 
@@ -130,12 +131,13 @@ def run(kernel, call: dict):
 
 
 def compare(ours, theirs, call: dict) -> tuple[float, bool]:
-    """(largest relative error of kda_opt's kernel against SGLang's over o and the named pool or
-    buffer rows, whether every pool row not named is left as it was by both). A decode's padding
-    requests' o is left out: the caller drops it, and SGLang's kernels differ there (its CUDA packed
-    kernel writes zeros, its Triton kernels the step from a zero state, as kda_opt does)."""
+    """(largest relative error of kda_opt's kernel's run (run's result `ours`) against SGLang's
+    (`theirs`) over o and the named pool or buffer rows, whether every pool row not named is left as
+    it was by both). A decode's padding requests' o is left out: the caller drops it, and SGLang's
+    kernels differ there (its CUDA packed kernel writes zeros, its Triton kernels the step from a zero
+    state, as kda_opt does)."""
     from kda_opt.reference import rel_err
-    (o, pool, buf), (o_ref, pool_ref, buf_ref) = run(ours, call), run(theirs, call)
+    (o, pool, buf), (o_ref, pool_ref, buf_ref) = ours, theirs
     o, o_ref = (x[0] if isinstance(x, tuple) else x for x in (o, o_ref))
     index = call["cache_indices"].long()
     if call["call"] in ("decode", "packed_decode"):
@@ -171,11 +173,11 @@ def kernels():
     return ours(), ours.__mro__[1]()
 
 
-def calls_to(owner, name: str, f) -> bool:
-    """Whether f() calls owner's function `name` (spied on, and still run)."""
+def calls_to(owner, name: str, f) -> tuple:
+    """(f()'s result, whether it called owner's function `name`: spied on, and still run)."""
     with mock.patch.object(owner, name, autospec=True, side_effect=getattr(owner, name)) as spy:
-        f()
-    return spy.called
+        result = f()
+    return result, spy.called
 
 
 def taken(call: dict) -> bool:
@@ -183,18 +185,19 @@ def taken(call: dict) -> bool:
     hand the call to the TritonKDAKernel method it overrides."""
     from kda_opt.sglang import kernel_class
     ours = kernel_class()
-    return not calls_to(ours.__mro__[1], METHODS[call["call"]], lambda: run(ours(), call))
+    return not calls_to(ours.__mro__[1], METHODS[call["call"]], lambda: run(ours(), call))[1]
 
 
-def sglang_kernel(triton, call: dict) -> str:
-    """`method: kernel`, what SGLang's TritonKDAKernel `triton` runs on `call`: for packed decode its
-    CUDA kernel where that kernel's `covered` took the call, else its Triton kernel."""
+def sglang_run(triton, call: dict) -> tuple:
+    """(run(triton, call), `method: kernel`): SGLang's TritonKDAKernel `triton` on `call`, and the
+    kernel it ran there: for packed decode its CUDA kernel where that kernel's `covered` took the
+    call, else its Triton kernel."""
     kernel = SGLANG_KERNELS[call["call"]]
-    if call["call"] == "packed_decode":
-        from sglang.kernels.ops.attention import kda_packed_decode
-        if calls_to(kda_packed_decode, "kda_packed_decode", lambda: run(triton, call)):
-            kernel = CUDA_PACKED
-    return f"{METHODS[call['call']]}: {kernel}"
+    if call["call"] != "packed_decode":
+        return run(triton, call), f"{METHODS[call['call']]}: {kernel}"
+    from sglang.kernels.ops.attention import kda_packed_decode
+    result, cuda = calls_to(kda_packed_decode, "kda_packed_decode", lambda: run(triton, call))
+    return result, f"{METHODS[call['call']]}: {CUDA_PACKED if cuda else kernel}"
 
 
 def timed(kernel, call: dict):
@@ -230,7 +233,8 @@ def sglang_rows(out_dir, warmup=25, rep=100, quiet=False):
     for name, H, requests, tokens, gate in progress(ROWS, label, quiet):
         call = step(name, H, lengths(requests, tokens) if name == "extend" else [1] * requests, gate,
                     draft=tokens // requests)
-        err, same = compare(ours, triton, call)
+        theirs, kernel = sglang_run(triton, call)
+        err, same = compare(run(ours, call), theirs, call)
         runs = {"kda_opt": timed(ours, call), "sglang": timed(triton, call)}
         if flashkda is not None and name == "extend" and gate == "safe":
             runs["sglang_flashkda"] = timed(flashkda, call)
@@ -238,7 +242,7 @@ def sglang_rows(out_dir, warmup=25, rep=100, quiet=False):
             ms = medians_in_turns(runs, warmup, rep)
         else:
             ms = {system: graph_ms(f, GRAPH_CALLS, cold=True) for system, f in runs.items()}
-        row = dict(call=name, H=H, requests=requests, tokens=tokens, gate=gate, sglang_kernel=sglang_kernel(triton, call),
+        row = dict(call=name, H=H, requests=requests, tokens=tokens, gate=gate, sglang_kernel=kernel,
                    timing="eager" if name == "extend" else "graph", sglang_ms=ms["sglang"], kda_opt_ms=ms["kda_opt"],
                    speedup=ms["sglang"] / ms["kda_opt"], taken=taken(call),
                    sglang_flashkda_ms=ms.get("sglang_flashkda", NOT_RUN), max_rel_err=err, untouched_ok=same)
