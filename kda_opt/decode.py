@@ -93,20 +93,13 @@ def decode_kernel(
         b_s = tl.load(s_in + row * S_IN + o_s, mask=row >= 0, other=0.0).to(tl.float32)
     for t in range(T):
         r = bos + t
-        b_q = tl.load(q + r * SQT + i_h * SQH + o_k).to(tl.float32)
-        b_k = tl.load(k + r * SKT + i_h * SKH + o_k).to(tl.float32)
-        if L2NORM:
-            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + L2_EPS)
-            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + L2_EPS)
-        b_a = log_decay(tl.load(g + r * SGT + i_hv * SGH + o_k).to(tl.float32), A_log, dt_bias, i_hv, o_k,
-                        lower_bound, K, MODE, HAS_A, HAS_BIAS)
-        b_beta = tl.load(beta + r * SBT + i_hv * SBH).to(tl.float32)
-        if BETA_SIGMOID > 0:
-            b_beta = BETA_SIGMOID * tl.sigmoid(b_beta)
-        b_s *= tl.exp(b_a)[:, None]
+        b_q, b_k, b_d, b_beta = _token(q, k, g, beta, A_log, dt_bias, r, i_h, i_hv, scale, lower_bound,
+                                       SQT, SQH, SKT, SKH, SGT, SGH, SBT, SBH, K, MODE, HAS_A, HAS_BIAS, L2NORM,
+                                       BETA_SIGMOID)
+        b_s *= b_d[:, None]
         b_u = (tl.load(v + r * SVT + i_hv * SVH + o_v).to(tl.float32) - tl.sum(b_s * b_k[:, None], 0)) * b_beta
         b_s += b_k[:, None] * b_u[None, :]
-        b_o = tl.sum(b_s * (b_q * scale)[:, None], 0)
+        b_o = tl.sum(b_s * b_q[:, None], 0)
         tl.store(o + r * SOT + i_hv * SOH + o_v, b_o.to(o.dtype.element_ty))
         if WRITE == WRITE_EACH_TOKEN:
             row = _rows(_slot(indices, i_n, t, live & (t < COLUMNS), slots, pad_slot, S_IDX, PAD), K, BV)
@@ -122,6 +115,98 @@ def decode_kernel(
         tl.store(s_out + row * S_OUT + o_s, b_s.to(s_out.dtype.element_ty), mask=row >= 0)
 
 
+@triton.jit(do_not_specialize=["T", "slots", "pad_slot"])
+def streamed_decode_kernel(
+    q, k, v, g, beta, A_log, dt_bias, o,    # as decode_kernel's
+    s_in, s_out, cu_seqlens, indices,       # V-first states [·, HV, V, K]; [N + 1]; [N] slots
+    T, slots, pad_slot, scale, lower_bound,
+    SQT, SQH, SKT, SKH, SVT, SVH, SGT, SGH, SBT, SBH, SOT, SOH, S_IN, S_OUT, S_IDX,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    MODE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr, PACKED: tl.constexpr, READ: tl.constexpr, WRITE: tl.constexpr, PAD: tl.constexpr,
+    ONE_TOKEN: tl.constexpr, IN_PLACE: tl.constexpr,
+):
+    # One program (one warp) per (request, value head): its first token's vectors made once, then its
+    # V-first state walked in blocks of BV rows (each row's recurrence is its own: the rows share only
+    # the token's vectors), the next block (and its first token's v) loaded while this one is computed,
+    # each block written back once its tokens are done. READ: zeros, dense row n or pool row indices[n];
+    # WRITE: nothing, dense row n or pool row indices[n] (kda_opt/options).
+    i_nh = tl.program_id(0).to(tl.int64)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    if PACKED:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    else:
+        bos = i_n * T
+    o_r = tl.arange(0, BV)
+    o_s = i_hv * V * K + o_r[:, None] * K + tl.arange(0, K)[None, :]      # block 0's rows of the head
+    slot = -1
+    if READ == READ_SLOT or WRITE == WRITE_SLOT:
+        slot = _slot(indices, i_n, 0, True, slots, pad_slot, S_IDX, PAD)
+    row_in = -1
+    if READ == READ_ROW:
+        row_in = i_n
+    if READ == READ_SLOT:
+        row_in = slot
+    row_out = -1
+    if WRITE == WRITE_ROW:
+        row_out = i_n
+    if WRITE == WRITE_SLOT:
+        row_out = slot
+    # A row of −1 is neither read (zeros) nor written; IN_PLACE: the state is written where it was read.
+    m_in, m_out = _rows(row_in, BV, K) >= 0, _rows(row_out, BV, K) >= 0
+    p_in = s_in + tl.maximum(row_in, 0) * S_IN + o_s
+    p_out = p_in
+    if not IN_PLACE:
+        p_out = s_out + tl.maximum(row_out, 0) * S_OUT + o_s
+    # The first token's row (a request without tokens reads row 0, which every call has, and uses none).
+    r0 = tl.where(T > 0, bos, 0)
+    b_q0, b_k0, b_d0, b_beta0 = _token(q, k, g, beta, A_log, dt_bias, r0, i_h, i_hv, scale, lower_bound,
+                                       SQT, SQH, SKT, SKH, SGT, SGH, SBT, SBH, K, MODE, HAS_A, HAS_BIAS, L2NORM,
+                                       BETA_SIGMOID)
+    b_next = tl.load(p_in, mask=m_in, other=0.0)
+    b_v_next = tl.load(v + r0 * SVT + i_hv * SVH + o_r)
+    for j in range(V // BV):
+        b_s, b_v0 = b_next.to(tl.float32), b_v_next.to(tl.float32)
+        more = j + 1 < V // BV
+        b_next = tl.load(p_in + (j + 1) * BV * K, mask=m_in & more, other=0.0)
+        b_v_next = tl.load(v + r0 * SVT + i_hv * SVH + (j + 1) * BV + o_r, mask=(o_r >= 0) & more, other=0.0)
+        for t in range(1 if ONE_TOKEN else T):
+            r = bos + t
+            b_q, b_k, b_d, b_beta, b_v = b_q0, b_k0, b_d0, b_beta0, b_v0
+            if not ONE_TOKEN and t > 0:
+                b_q, b_k, b_d, b_beta = _token(q, k, g, beta, A_log, dt_bias, r, i_h, i_hv, scale, lower_bound,
+                                               SQT, SQH, SKT, SKH, SGT, SGH, SBT, SBH, K, MODE, HAS_A, HAS_BIAS,
+                                               L2NORM, BETA_SIGMOID)
+                b_v = tl.load(v + r * SVT + i_hv * SVH + j * BV + o_r).to(tl.float32)
+            b_s *= b_d[None, :]
+            b_u = (b_v - tl.sum(b_s * b_k[None, :], 1)) * b_beta
+            b_s += b_u[:, None] * b_k[None, :]
+            tl.store(o + r * SOT + i_hv * SOH + j * BV + o_r, tl.sum(b_s * b_q[None, :], 1).to(o.dtype.element_ty))
+        tl.store(p_out + j * BV * K, b_s.to(s_out.dtype.element_ty), mask=m_out)
+
+
+@triton.jit
+def _token(q, k, g, beta, A_log, dt_bias, r, i_h, i_hv, scale, lower_bound,
+           SQT, SQH, SKT, SKH, SGT, SGH, SBT, SBH, K: tl.constexpr, MODE: tl.constexpr, HAS_A: tl.constexpr,
+           HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+    """Token row r's vectors for value head i_hv (query head i_h): scale · q and k [K] (L2-normalised
+    first with L2NORM), the decay exp(a) [K] and β."""
+    o_k = tl.arange(0, K)
+    b_q = tl.load(q + r * SQT + i_h * SQH + o_k).to(tl.float32)
+    b_k = tl.load(k + r * SKT + i_h * SKH + o_k).to(tl.float32)
+    if L2NORM:
+        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + L2_EPS)
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + L2_EPS)
+    b_a = log_decay(tl.load(g + r * SGT + i_hv * SGH + o_k).to(tl.float32), A_log, dt_bias, i_hv, o_k, lower_bound,
+                    K, MODE, HAS_A, HAS_BIAS)
+    b_beta = tl.load(beta + r * SBT + i_hv * SBH).to(tl.float32)
+    if BETA_SIGMOID > 0:
+        b_beta = BETA_SIGMOID * tl.sigmoid(b_beta)
+    return b_q * scale, b_k, tl.exp(b_a), b_beta
+
+
 @triton.jit
 def _slot(indices, i_n, column, live, slots, pad_slot, S_IDX, PAD: tl.constexpr):
     """The pool row at indices[i_n, column] (int64), or −1 where the request is not live, the index is
@@ -134,9 +219,9 @@ def _slot(indices, i_n, column, live, slots, pad_slot, S_IDX, PAD: tl.constexpr)
 
 
 @triton.jit
-def _rows(row, K: tl.constexpr, BV: tl.constexpr):
-    """The pool row index `row` as a [K, BV] block, one per element of a state block."""
-    return row + tl.zeros([K, BV], dtype=tl.int64)
+def _rows(row, R: tl.constexpr, C: tl.constexpr):
+    """The pool row index `row` as an [R, C] block, one per element of a state block."""
+    return row + tl.zeros([R, C], dtype=tl.int64)
 
 
 def decode(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, final_state=None,
@@ -151,13 +236,28 @@ def decode(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial
     stand_in = q                       # a pointer for absent arrays, never dereferenced
     # One stride() per tensor (each stride(d) call costs more than the whole tuple).
     sq, sk, sv, sg, sb, so = (x.stride() for x in (q, k, v, g, beta, o))
+    s_in = stand_in if initial_state is None else initial_state
+    s_out = stand_in if final_state is None else final_state
+    if plan.streamed:
+        triton_launch(
+            streamed_decode_kernel, (plan.N * plan.HV,), kernels,
+            q, k, v, g, beta, A_log, dt_bias, o, s_in, s_out, cu_seqlens, indices,
+            plan.T, plan.slots, -1 if plan.pad_slot is None else plan.pad_slot, plan.scale,
+            float(plan.gate.lower_bound or 0.0),
+            sq[1], sq[2], sk[1], sk[2], sv[1], sv[2], sg[1], sg[2], sb[1], sb[2], so[1], so[2],
+            s_in.stride(0), s_out.stride(0), 0 if indices is None else indices.stride(0),
+            plan.H, plan.HV, plan.K, plan.V, plan.block_v, gate_mode(plan.gate), A_log is not None,
+            dt_bias is not None, plan.l2norm, plan.beta_sigmoid or 0.0, plan.packed, plan.read, plan.write,
+            plan.pad_slot is not None, not plan.packed and plan.T == 1,
+            s_in is s_out and plan.read == plan.write, num_warps=plan.num_warps,
+        )
+        return o
     # decode_kernel's parameters in order (a decode step's host time is mostly its launch's).
     triton_launch(
         decode_kernel, (plan.V // plan.block_v, plan.HV, plan.N) if plan.blocks_first
         else (plan.N * plan.HV, plan.V // plan.block_v), kernels,
         q, k, v, g, beta, A_log, dt_bias, o,
-        stand_in if initial_state is None else initial_state, stand_in if final_state is None else final_state,
-        cu_seqlens, indices, accepted, has_initial_state, buffer_rows,
+        s_in, s_out, cu_seqlens, indices, accepted, has_initial_state, buffer_rows,
         plan.T, plan.slots, -1 if plan.pad_slot is None else plan.pad_slot,
         0 if buffer_rows is None else final_state.shape[0], plan.scale,
         float(plan.gate.lower_bound or 0.0),

@@ -506,6 +506,8 @@ class DecodePlan(Sizes):
     num_warps: int
     blocks_first: bool            # the grid (V / BV, HV, N), a (request, head)'s V blocks neighbouring
                                   # programs (V-first fp32 states, N ≤ GRID_AXIS_MAX); else (N·HV, V / BV)
+    streamed: bool                # kda_opt/decode's streamed_decode_kernel: a program per (request, head)
+                                  # walks its state in blocks of block_v rows (V-first 16-bit states)
 
 
 def make_decode_plan(arguments: Mapping[str, Any], sms: int | None = None) -> DecodePlan:
@@ -543,13 +545,18 @@ def make_decode_plan(arguments: Mapping[str, Any], sms: int | None = None) -> De
         write = Write.ROW
     elif a.inplace_final_state:
         write = Write.ROW if indices is None else Write.SLOT if indices.dim() == 1 else Write.EACH_TOKEN
+    # Measured on V-first bf16 states (docs/DESIGN.md, Decode); the one-state writes only.
+    streamed = (a.state_v_first and initial_state is not None and initial_state.element_size() == 2
+                and write in (Write.NONE, Write.SLOT, Write.ROW) and not a.output_final_state
+                and a.num_accepted_tokens is None and (indices is None or indices.dim() == 1))
     return _decode_plan(
         Sizes(B, T, H, K, HV, V, N), scale, a.use_qk_l2norm_in_kernel, a.use_gate_in_kernel, a.lower_bound,
         a.use_beta_sigmoid_in_kernel, a.allow_neg_eigval, a.state_v_first, a.cu_seqlens is not None, sms,
         read=Read.ZEROS if initial_state is None else Read.ROW if indices is None else Read.SLOT, write=write,
         output_final_state=a.output_final_state, columns=columns,
         slots=0 if indices is None else initial_state.shape[0], pad_slot=a.pad_slot, single=False,
-        state_itemsize=4 if initial_state is None or a.output_final_state else initial_state.element_size())
+        state_itemsize=4 if initial_state is None or a.output_final_state else initial_state.element_size(),
+        streamed=streamed)
 
 
 def _routed_decodes(sizes: Sizes, scale, l2norm, gate_in_kernel, lower_bound, beta_sigmoid, neg_eigval, v_first,
@@ -561,7 +568,8 @@ def _routed_decodes(sizes: Sizes, scale, l2norm, gate_in_kernel, lower_bound, be
                         write=Write.SLOT if pool else Write.ROW if output_final_state else Write.NONE,
                         output_final_state=output_final_state,
                         columns=1 if pool else 0, slots=initial_state.shape[0] if pool else 0, pad_slot=None,
-                        single=True, state_itemsize=4 if initial_state is None else initial_state.element_size())
+                        single=True, state_itemsize=4 if initial_state is None else initial_state.element_size(),
+                        streamed=False)
 
 
 def _decode_plan(sizes: Sizes, scale, l2norm, gate_in_kernel, lower_bound, beta_sigmoid, neg_eigval, v_first, packed,

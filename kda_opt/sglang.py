@@ -236,7 +236,13 @@ def _decode(q, k, v, a, b, *, A_log, dt_bias, lower_bound, query_start_loc, pool
 
 def decode(q, k, v, a, b, *, A_log, dt_bias, ssm_states, cache_indices, query_start_loc, lower_bound):
     """SGLang's decode through kda_decode: o [1, N, HV, V]; each request's state read from and written
-    to pool[cache_indices[n]] (−1: zeros, nothing written)."""
+    to pool[cache_indices[n]] (−1: zeros, nothing written). SGLang decodes one token per request: where
+    the tokens are as many as the requests, they go to kda_decode as N requests of one token (q, k, v,
+    β as [N, 1, ·, ·] views, no cu_seqlens), the form its kernels know to be one token each."""
+    if q.shape[1] == query_start_loc.shape[0] - 1:
+        o = _decode(*(x.transpose(0, 1) for x in (q, k, v)), a, b.transpose(0, 1), A_log=A_log, dt_bias=dt_bias,
+                    lower_bound=lower_bound, query_start_loc=None, pool=ssm_states, indices=cache_indices)
+        return o.transpose(0, 1)
     return _decode(q, k, v, a, b, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                    query_start_loc=query_start_loc, pool=ssm_states, indices=cache_indices)
 

@@ -131,6 +131,16 @@ CASES = {
                                     indices=[[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], accepted=[2, 1, 4],
                                     inplace=True),
     "K = V = 128": dict(N=2, T=2, H=1, K=128, slots=3, indices=[[2, 0], [1, -1]], inplace=True),
+    # V-first 16-bit states: the streamed kernel (a program per request and head walks its rows).
+    "streamed: packed requests of 1, 3, 0, 2 tokens, a bf16 pool with a −1 slot": dict(
+        N=4, T=None, H=2, K=64, lens=[1, 3, 0, 2], slots=5, indices=[0, -1, 2, 4], inplace=True, v_first=True,
+        pool_dtype=torch.bfloat16),
+    "streamed: one token each, an fp16 pool, a pad slot, softplus, l2norm, logits": dict(
+        N=4, T=1, H=2, K=64, slots=5, indices=[3, 0, 1, 0], pad_slot=0, inplace=True, v_first=True,
+        pool_dtype=torch.float16, gate="softplus", l2norm=True, beta_logits=True),
+    "streamed: grouped heads, preactivated gate, the pool only read": dict(
+        N=3, T=2, H=1, HV=2, K=64, slots=4, indices=[2, 0, 1], v_first=True, pool_dtype=torch.bfloat16,
+        gate="none"),
     # SGLang's verify: the pool only read, each token's state into the request's buffer row (a token
     # past its S, a negative row: not written; a −1 slot: a zero start).
     "verify into a buffer, packed, V-first": dict(N=4, T=None, H=2, K=64, lens=[2, 5, 1, 3], slots=6,
@@ -214,6 +224,13 @@ def test_plan_reads_and_writes():
     dense = plan(slots=None, indices=None, inplace=False, output_final_state=True)
     assert (dense.read, dense.write, dense.output_final_state) == (1, 1, True)
     assert plan(slots=None, indices=None, inplace=False, state=False).read == 0
+    # The streamed kernel: V-first 16-bit states written once (or only read), no [N, S] slots or buffer.
+    assert plan(v_first=True, pool_dtype=torch.bfloat16).streamed
+    assert plan(v_first=True, pool_dtype=torch.float16, inplace=False).streamed
+    assert not plan(v_first=True).streamed and not plan(pool_dtype=torch.bfloat16).streamed
+    assert not plan(v_first=True, pool_dtype=torch.bfloat16, T=2, indices=[[0, 1], [2, 3], [4, 5], [1, 2]]).streamed
+    assert not plan(v_first=True, pool_dtype=torch.bfloat16, slots=None, indices=None, inplace=False,
+                    output_final_state=True).streamed
 
 
 def test_launch_follows_the_layout_and_the_batch():
@@ -321,7 +338,12 @@ VARIANTS = [
     dict(WRITE=3, COLUMNS=2, PACKED=False), dict(SINGLE=True, HAS_MASK=True, PAD=False),
     dict(SINGLE=True, READ=1, WRITE=1, HAS_MASK=True, PAD=False),
     dict(READ=1, WRITE=1, PACKED=False, PAD=False, L2NORM=False, BETA_SIGMOID=0.0, MODE=0, HAS_A=False,
-         HAS_BIAS=False), dict(READ=0, WRITE=0, MODE=2, K=64, V=64, BV=16, H=8, HV=16, num_warps=1)]
+         HAS_BIAS=False), dict(READ=0, WRITE=0, MODE=2, K=64, V=64, BV=16, H=8, HV=16, num_warps=1),
+    # streamed_decode_kernel: Kimi's packed decode on a bf16 pool; a dense fp16 state only read.
+    dict(streamed=True, state="*bf16", BV=16, num_warps=1, ONE_TOKEN=False, IN_PLACE=True),
+    dict(streamed=True, state="*bf16", BV=16, num_warps=1, PACKED=False, ONE_TOKEN=True, IN_PLACE=True),
+    dict(streamed=True, state="*fp16", READ=1, WRITE=0, PACKED=False, MODE=0, K=64, V=64, BV=16, H=8, HV=16,
+         num_warps=1, ONE_TOKEN=False, IN_PLACE=False)]
 
 
 # The integer arguments of Kimi's decode call at H = HV = 32, K = V = 128 on [N] slots (packed tokens
@@ -332,21 +354,25 @@ STRIDES = dict(SQT=32 * 128, SQH=128, SKT=32 * 128, SKH=128, SVT=32 * 128, SVH=1
                SBH=1, SOT=32 * 128, SOH=128, S_IN=32 * 128 * 128, S_OUT=32 * 128 * 128, S_IDX=1)
 
 
-def sm90_cubin(num_warps=2, **changes):
-    """decode_kernel compiled for sm_90 with Kimi's decode call's constants, changed by `changes`,
-    specialised as a launch with STRIDES specialises it (Triton's JIT, not its interpreter: see
-    sm90_resources)."""
+def sm90_cubin(num_warps=2, streamed=False, state="*fp32", **changes):
+    """decode_kernel (streamed_decode_kernel where `streamed`) compiled for sm_90 with Kimi's decode
+    call's constants, changed by `changes`, states of type `state`, specialised as a launch with
+    STRIDES specialises it (Triton's JIT, not its interpreter: see sm90_resources)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from kda_opt.decode import decode_kernel
-    params = decode_kernel.params
-    constants = {**KIMI_DECODE, **changes, **{n: 1 for n, x in STRIDES.items() if x == 1}}
-    signature = {p.name: "constexpr" if p.is_constexpr or p.name in constants else POINTERS.get(p.name)
+    from kda_opt.decode import decode_kernel, streamed_decode_kernel
+    fn = streamed_decode_kernel if streamed else decode_kernel
+    params = fn.params
+    names = {p.name for p in params}
+    pointers = {**POINTERS, "s_in": state, "s_out": state}
+    constants = {n: x for n, x in {**KIMI_DECODE, **changes, **{n: 1 for n, x in STRIDES.items() if x == 1}}.items()
+                 if n in names}
+    signature = {p.name: "constexpr" if p.is_constexpr or p.name in constants else pointers.get(p.name)
                  or ("fp32" if p.name in ("scale", "lower_bound") else "i64") for p in params}
     aligned = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if signature[p.name] != "constexpr"
-               and (p.name in POINTERS or STRIDES.get(p.name, 1) % 16 == 0)}
-    kernel = triton.compile(ASTSource(decode_kernel, signature, constants, aligned),
+               and (p.name in pointers or STRIDES.get(p.name, 1) % 16 == 0)}
+    kernel = triton.compile(ASTSource(fn, signature, constants, aligned),
                             target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
     return kernel.asm["cubin"]
 

@@ -181,8 +181,11 @@ def test_decode_taken_only_where_measured(stood_in, sglang_own):
         call = calls.step("decode", 2, [1] * n, "safe", device="cpu")
         out = calls.run_in_place(kernel, "decode", calls.arguments(call))
     assert [s[0] for s in sglang_own] == ["decode"] and out.shape == call["v"].shape
-    _, kw = stood_in["decode"]
-    assert stood_in["decode"][0][3].shape == (1, 3, 2, calls.K)      # SGLang's [N, H·K] gate, per head
+    args, kw = stood_in["decode"]
+    # One token per request: N requests of one token, views of SGLang's tensors, no cu_seqlens.
+    assert [x.shape for x in args[:5]] == [(3, 1, 2, calls.K)] * 4 + [(3, 1, 2)]
+    assert all(x.data_ptr() == call[n].data_ptr() for x, n in zip(args, ("q", "k", "v", "a", "beta")))
+    assert kw["cu_seqlens"] is None and out.shape == (1, 3, 2, calls.K)
     assert kw["ssm_state_indices"] is call["cache_indices"] and kw["inplace_final_state"] and kw["state_v_first"]
     assert kw["use_beta_sigmoid_in_kernel"] and kw["lower_bound"] == -5.0
 
