@@ -7,7 +7,9 @@ its row(s). One program per (request, value head, V block of BV columns; for V-f
 (request, head)'s blocks are neighbouring programs, which read its rows together): its state block is read
 once and written once (per token only where the caller asks for each token's state), so a step
 moves the state's bytes and little else: the recurrence as FLA's `fused_recurrent_kda` computes it
-(its decode kernel), not the chunked form.
+(its decode kernel), not the chunked form. V-first 16-bit states of one state per request (from
+plan.STREAMED_FROM programs an SM): one program per (request, value head) instead, its token vectors
+made once and its rows walked in blocks of BV, the next block loaded ahead (streamed_decode_kernel).
 In: q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K]; beta [B, T, HV] (B = 1 with cu_seqlens);
 states [N, HV, K, V] or a pool [slots, HV, K, V] (V-first: [·, HV, V, K]; fp32, bf16 or fp16).
 Out: o [B, T, HV, V] in v's dtype; the states written as kda_decode's docstring says.
@@ -232,7 +234,7 @@ def decode(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial
     [rows, S, HV, ·, ·] and buffer_rows [N] its rows). Inputs validated by kda_opt/plan's
     make_decode_plan (or make_plan, for a packed prefill's sequences of one token: plan.single);
     their last dimension dense. has_initial_state: [N] bool, zeros where false (kda_forward's)."""
-    o = torch.empty_like(v) if out is None else out
+    o = v.new_empty(v.shape) if out is None else out      # dense: token row r at r · stride(1)
     stand_in = q                       # a pointer for absent arrays, never dereferenced
     # One stride() per tensor (each stride(d) call costs more than the whole tuple).
     sq, sk, sv, sg, sb, so = (x.stride() for x in (q, k, v, g, beta, o))
@@ -391,11 +393,12 @@ def _token_rows(x):
     """x [B, T, heads(, channels)] as the kernel reads it: channels dense and token rows evenly spaced
     through the batch (row n·T + t at (n·T + t) · stride(1)); else a contiguous copy. One token per
     request (T = 1): the rows are stride(0) apart, whatever stride(1) says (SGLang's decode views
-    of one fused projection, [N, 1, H, K], are read in place)."""
+    of one fused projection, [N, 1, H, K], are read in place; so is a transposed [1, N, …] tensor,
+    which torch calls contiguous whatever stride(1) says)."""
+    B, T = x.shape[:2]
+    if T == 1 and x.stride(1) != x.stride(0):
+        x = x.as_strided(x.shape, (x.stride(0), x.stride(0), *x.stride()[2:]))
     if x.is_contiguous():
         return x
-    B, T = x.shape[:2]
-    if T == 1:
-        x = x.as_strided(x.shape, (x.stride(0), x.stride(0), *x.stride()[2:]))
     dense = x.dim() == 3 or x.stride(-1) == 1
     return x if dense and (B == 1 or x.stride(0) == T * x.stride(1)) else x.contiguous()

@@ -548,7 +548,8 @@ def make_decode_plan(arguments: Mapping[str, Any], sms: int | None = None) -> De
     # Measured on V-first bf16 states (docs/DESIGN.md, Decode); the one-state writes only.
     streamed = (a.state_v_first and initial_state is not None and initial_state.element_size() == 2
                 and write in (Write.NONE, Write.SLOT, Write.ROW) and not a.output_final_state
-                and a.num_accepted_tokens is None and (indices is None or indices.dim() == 1))
+                and a.num_accepted_tokens is None and (indices is None or indices.dim() == 1)
+                and N * HV >= STREAMED_FROM * sms)
     return _decode_plan(
         Sizes(B, T, H, K, HV, V, N), scale, a.use_qk_l2norm_in_kernel, a.use_gate_in_kernel, a.lower_bound,
         a.use_beta_sigmoid_in_kernel, a.allow_neg_eigval, a.state_v_first, a.cu_seqlens is not None, sms,
@@ -598,6 +599,12 @@ def decode_launch(heads: int, V: int, v_first: bool, sms: int) -> tuple[int, int
     if not v_first and heads * (V // 64) >= sms:
         return 64, 2
     return 16, 1
+
+
+# kda_decode's streamed kernel from this many (request, value head) programs an SM: each walks its
+# state's rows one block after another, so below it too few programs are in flight (docs/DESIGN.md,
+# Decode).
+STREAMED_FROM = 4
 
 
 # A grid's second and third axes stop here: decode's grid puts the requests on its third with

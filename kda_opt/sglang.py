@@ -56,13 +56,13 @@ def kernel_class():
 
     class KdaOptKDAKernel(TritonKDAKernel):
         """SGLang's KDA kernel on kda_opt: extend through kda_forward; decode (steps of up to
-        `decode_requests` requests), packed decode (fp32 pools) and chain verify (where
-        `takes_verify`) through kda_decode, each taken only where it measured at least SGLang's own
+        `decode_requests` requests), packed decode (fp32 pools) and chain verify (`takes_verify`,
+        on by default) through kda_decode, each taken only where it measured at least SGLang's own
         kernel (docs/USAGE.md, "SGLang"); every other call, and every call off Hopper or with head
         dims other than 64 and 128, through SGLang's Triton kernel."""
 
         decode_requests = DECODE_REQUESTS
-        takes_verify = False
+        takes_verify = True
 
         def extend(self, q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, A_log=None,
                    dt_bias=None, lower_bound=None, beta_is_raw=False, return_intermediate_states=False,

@@ -62,6 +62,13 @@ def decode_call(lens, slots, rows, v_first=False, dtype=torch.float32, **call):
     return {**args, "state_v_first": v_first, **call}
 
 
+def one_token(args):
+    """decode_call's keywords of one-token requests as N requests of one token: [N, 1, ·, ·] views
+    of the packed tensors, no cu_seqlens."""
+    N = args.pop("cu_seqlens").numel() - 1
+    return {**args, **{n: args[n].view(N, 1, *args[n].shape[2:]) for n in ("q", "k", "v", "g", "beta")}}
+
+
 def fused_decode(N):
     """kda_decode on N one-token requests whose q, k, v are [N, 1, H, K] views of one [N, 3·H·K]
     tensor (read in place), an fp32 V-first pool of N + 8 rows written at shuffled slots."""
@@ -143,6 +150,14 @@ CALLS = {
     "verify, [N, S] slots, accepted counts": lambda: kda_decode(**decode_call(
         [4, 2, 3], torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]), 12,
         num_accepted_tokens=torch.tensor([4, 0, 2], device="cuda"), v_first=True)),
+    # The streamed kernel (V-first 16-bit states, from plan.STREAMED_FROM programs an SM): one token a
+    # request as [N, 1, ·, ·] views (its one-token form), and packed requests of 0–3 tokens.
+    "decode, streamed: one token each, a bf16 pool with −1 and pad slots": lambda: kda_decode(**one_token(
+        decode_call([1] * (2 * SMS + 8), torch.tensor([n if n % 7 else -1 for n in range(2 * SMS + 8)]),
+                    2 * SMS + 16, v_first=True, dtype=torch.bfloat16, pad_slot=1))),
+    "decode, streamed: packed requests of 0–3 tokens, an fp16 pool only read": lambda: kda_decode(**{
+        **decode_call([1, 3, 0, 2] * (SMS // 2 + 2), torch.randperm(2 * SMS + 8)[:2 * SMS + 8], 2 * SMS + 8,
+                      v_first=True, dtype=torch.float16), "inplace_final_state": False}),
     "verify into a buffer (SGLang's), the pool only read": lambda: kda_decode(**decode_call(
         [4, 2, 5], torch.tensor([3, -1, 0]), 6, v_first=True, inplace_final_state=False,
         intermediate_states_buffer=torch.randn(4, 5, H, K, K, device="cuda")[:, :4],

@@ -9,7 +9,7 @@ import torch
 
 from kda_opt.calls import arguments_of
 from kda_opt.decode import kda_decode, run
-from kda_opt.plan import GRID_AXIS_MAX, DecodePlan, make_decode_plan
+from kda_opt.plan import GRID_AXIS_MAX, STREAMED_FROM, DecodePlan, make_decode_plan
 from kda_opt.reference import ERROR_FLOOR, reference_decode
 from tests.conftest import HAS_CUDA, ROOT, compile_env, gpu, kernel_device, rel_err
 from tests.stage_inputs import plan_of
@@ -66,18 +66,20 @@ def inputs(N, T, H, K, *, HV=None, lens=None, gate="safe", l2norm=False, beta_lo
     return args
 
 
-def decoded(args):
+def decoded(args, sms=None):
     """kda_decode on the GPU; its plan's run under the interpreter without one (the plan made with an
-    SM count, since make_decode_plan checks devices only on a GPU)."""
-    if HAS_CUDA:
+    SM count, since make_decode_plan checks devices only on a GPU), or with `sms` (an SM count that
+    picks a launch a small call would not get: the streamed kernel from plan.STREAMED_FROM programs
+    an SM)."""
+    if HAS_CUDA and sms is None:
         return kda_decode(**args)
-    plan = make_decode_plan(arguments_of(kda_decode, **args), sms=SMS)
+    plan = make_decode_plan(arguments_of(kda_decode, **args), sms=sms or SMS)
     names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens", "ssm_state_indices",
              "num_accepted_tokens", "out", "intermediate_states_buffer", "intermediate_state_indices")
     return run(plan, **{n: args.get(n) for n in names})
 
 
-def check(args):
+def check(args, sms=None):
     """o and the states against reference_decode: written rows within TOLERANCE, every other row of
     the pool (or the buffer, which leaves the pool as it was) bit for bit as it was."""
     before = None if args.get("initial_state") is None else args["initial_state"].clone()
@@ -89,7 +91,7 @@ def check(args):
                                      *buffer.shape[2:]), buffer.stride(), buffer.storage_offset() + buffer.stride(1)
                                     * buffer.shape[1])
         padding_before = padding.clone()
-    o, final = decoded(args)
+    o, final = decoded(args, sms)
     ref_o, ref_final = reference_decode(**{**args, "initial_state": pool.clone() if buffered else before,
                                            "intermediate_states_buffer": before if buffered else None})
     assert rel_err(o, ref_o) < TOLERANCE
@@ -155,7 +157,8 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_decode_matches_the_recurrence(case):
-    check(inputs(**CASES[case]))
+    # The streamed cases on one SM, where their few programs take the streamed kernel.
+    check(inputs(**CASES[case]), sms=1 if case.startswith("streamed") else None)
 
 
 PADDED = {
@@ -195,6 +198,10 @@ def test_one_token_views_of_a_fused_projection_are_read_in_place():
     views = {n: x.view(4, 1, 2, 64) for n, x in zip(("q", "k", "v"), fused.split(128, dim=-1))}
     assert all(_token_rows(x).data_ptr() == x.data_ptr() for x in views.values())
     copies = {**args, "initial_state": args["initial_state"].clone()}
+    # β as a transposed [1, N, H] tensor (SGLang's decode β, handed on as N requests of one token):
+    # torch calls it contiguous, its token stride N·H all the same.
+    views["beta"] = args["beta"].view(1, 4, 2).transpose(0, 1)
+    assert views["beta"].is_contiguous() and views["beta"].stride(1) == 4 * 2
     o_views, pool_views = decoded({**args, **views})
     o, pool = decoded(copies)
     assert torch.equal(o_views, o) and torch.equal(pool_views, pool)
@@ -224,13 +231,18 @@ def test_plan_reads_and_writes():
     dense = plan(slots=None, indices=None, inplace=False, output_final_state=True)
     assert (dense.read, dense.write, dense.output_final_state) == (1, 1, True)
     assert plan(slots=None, indices=None, inplace=False, state=False).read == 0
-    # The streamed kernel: V-first 16-bit states written once (or only read), no [N, S] slots or buffer.
-    assert plan(v_first=True, pool_dtype=torch.bfloat16).streamed
-    assert plan(v_first=True, pool_dtype=torch.float16, inplace=False).streamed
-    assert not plan(v_first=True).streamed and not plan(pool_dtype=torch.bfloat16).streamed
-    assert not plan(v_first=True, pool_dtype=torch.bfloat16, T=2, indices=[[0, 1], [2, 3], [4, 5], [1, 2]]).streamed
-    assert not plan(v_first=True, pool_dtype=torch.bfloat16, slots=None, indices=None, inplace=False,
-                    output_final_state=True).streamed
+    # The streamed kernel: V-first 16-bit states written once (or only read), no [N, S] slots or buffer,
+    # from STREAMED_FROM (request, value head) programs an SM.
+    streamed = lambda N=SMS * STREAMED_FROM // 2, **changes: plan(**{"N": N, "slots": N, "indices": list(range(N)),
+                                                                     **changes})
+    assert streamed(v_first=True, pool_dtype=torch.bfloat16).streamed
+    assert streamed(v_first=True, pool_dtype=torch.float16, inplace=False).streamed
+    assert not streamed(N=SMS * STREAMED_FROM // 2 - 1, v_first=True, pool_dtype=torch.bfloat16).streamed
+    assert not streamed(v_first=True).streamed and not streamed(pool_dtype=torch.bfloat16).streamed
+    assert not streamed(v_first=True, pool_dtype=torch.bfloat16, T=2,
+                        indices=[[n, n] for n in range(SMS * STREAMED_FROM // 2)]).streamed
+    assert not streamed(v_first=True, pool_dtype=torch.bfloat16, slots=None, indices=None, inplace=False,
+                        output_final_state=True).streamed
 
 
 def test_launch_follows_the_layout_and_the_batch():

@@ -229,7 +229,9 @@ def test_taken_names_the_calls_the_plugin_runs(stood_in, sglang_own):
     assert calls.taken(small) and not calls.taken(large)
     packed = calls.step("packed_decode", 2, [1] * 5, "softplus", device="cpu")
     assert calls.taken(packed) and not calls.taken({**packed, "ssm_states": packed["ssm_states"].bfloat16()})
-    assert not calls.taken(calls.step("verify", 2, [1] * 3, "safe", device="cpu"))
+    verify = calls.step("verify", 2, [1] * 3, "safe", device="cpu")
+    tree = {**verify, "retrieve_parent_token": torch.zeros(3, 4, dtype=torch.long)}
+    assert calls.taken(verify) and not calls.taken(tree)
     assert [s[0] for s in sglang_own] == ["decode", "packed_decode", "target_verify"]
 
 
