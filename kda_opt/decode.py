@@ -53,20 +53,16 @@ def decode_kernel(
     # 0 without accepted); with HAS_MASK zeros where has_state[n] is false. WRITE (options.Write):
     # nothing, dense row n after the last token, pool row indices[n] after it, or pool row
     # indices[n, t] after each token t (speculative verify), or the buffer's row buffer_rows[n], its
-    # state t, after each token t < COLUMNS (SGLang's verify: s_in the pool, only read). SINGLE: only the sequences of one token
-    # (kda_forward's, where a packed call leaves them to this kernel); a program of any other reads,
-    # computes and writes nothing.
+    # state t, after each token t < COLUMNS (SGLang's verify: s_in the pool, only read). SINGLE: only
+    # the sequences of one token (kda_forward's, where a packed call leaves them to this kernel); a
+    # program of any other reads, computes and writes nothing.
     if BLOCKS_FIRST:    # grid (V / BV, HV, N): a (request, head)'s V blocks are neighbouring programs
         i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     else:               # grid (N·HV, V / BV)
         i_nh, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1)
         i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
-    if PACKED:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    else:
-        bos = i_n * T
+    bos, T = _tokens(cu_seqlens, i_n, T, PACKED)
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
     # The state block [K, BV] at (channel, column), in either layout.
@@ -136,11 +132,7 @@ def streamed_decode_kernel(
     i_nh = tl.program_id(0).to(tl.int64)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
-    if PACKED:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    else:
-        bos = i_n * T
+    bos, T = _tokens(cu_seqlens, i_n, T, PACKED)
     o_r = tl.arange(0, BV)
     o_s = i_hv * V * K + o_r[:, None] * K + tl.arange(0, K)[None, :]      # block 0's rows of the head
     slot = -1
@@ -187,6 +179,18 @@ def streamed_decode_kernel(
             b_s += b_u[:, None] * b_k[None, :]
             tl.store(o + r * SOT + i_hv * SOH + j * BV + o_r, tl.sum(b_s * b_q[None, :], 1).to(o.dtype.element_ty))
         tl.store(p_out + j * BV * K, b_s.to(s_out.dtype.element_ty), mask=m_out)
+
+
+@triton.jit
+def _tokens(cu_seqlens, i_n, T, PACKED: tl.constexpr):
+    """Request i_n's first token row and its number of tokens: from cu_seqlens where PACKED, else
+    i_n · T and T (a batch of requests of T tokens)."""
+    if PACKED:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    else:
+        bos = i_n * T
+    return bos, T
 
 
 @triton.jit

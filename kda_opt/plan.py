@@ -545,10 +545,10 @@ def make_decode_plan(arguments: Mapping[str, Any], sms: int | None = None) -> De
         write = Write.ROW
     elif a.inplace_final_state:
         write = Write.ROW if indices is None else Write.SLOT if indices.dim() == 1 else Write.EACH_TOKEN
-    # Measured on V-first bf16 states (docs/DESIGN.md, Decode); the one-state writes only.
+    # Measured on V-first bf16 states (docs/DESIGN.md, Decode); one state a request, read from and
+    # written to where it was (no [N, S] slots, whose accepted counts come with them, nor a buffer).
     streamed = (a.state_v_first and initial_state is not None and initial_state.element_size() == 2
-                and write in (Write.NONE, Write.SLOT, Write.ROW) and not a.output_final_state
-                and a.num_accepted_tokens is None and (indices is None or indices.dim() == 1)
+                and not a.output_final_state and buffer is None and (indices is None or indices.dim() == 1)
                 and N * HV >= STREAMED_FROM * sms)
     return _decode_plan(
         Sizes(B, T, H, K, HV, V, N), scale, a.use_qk_l2norm_in_kernel, a.use_gate_in_kernel, a.lower_bound,

@@ -243,6 +243,8 @@ def test_plan_reads_and_writes():
                         indices=[[n, n] for n in range(SMS * STREAMED_FROM // 2)]).streamed
     assert not streamed(v_first=True, pool_dtype=torch.bfloat16, slots=None, indices=None, inplace=False,
                         output_final_state=True).streamed
+    assert not streamed(v_first=True, pool_dtype=torch.bfloat16, inplace=False,
+                        buffer_rows=list(range(SMS * STREAMED_FROM // 2)), steps=1).streamed
 
 
 def test_launch_follows_the_layout_and_the_batch():
