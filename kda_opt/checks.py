@@ -337,11 +337,11 @@ def validate_decode_serving(q, v, N, initial_state, output_final_state, inplace_
     return columns
 
 
-def validate_decode_buffer(q, v, N, buffer, rows, indices, output_final_state, inplace_final_state, accepted,
-                           state_v_first, cu_seqlens) -> int:
-    """Checks kda_decode's intermediate_states_buffer and intermediate_state_indices (SGLang's verify)
-    against the rest of the call (validate_decode_serving's checks made); returns the buffer's states
-    per row, S."""
+def validate_decode_buffer(q, v, N, buffer, rows, parents, indices, output_final_state, inplace_final_state,
+                           accepted, state_v_first, cu_seqlens) -> int:
+    """Checks kda_decode's intermediate_states_buffer, intermediate_state_indices and
+    retrieve_parent_token (SGLang's verify) against the rest of the call (validate_decode_serving's
+    checks made); returns the buffer's states per row, S."""
     if rows is None:
         raise ValueError("intermediate_states_buffer needs intermediate_state_indices: each request's row of it")
     if indices is None or indices.dim() != 1:
@@ -363,6 +363,11 @@ def validate_decode_buffer(q, v, N, buffer, rows, indices, output_final_state, i
     _check_integers("intermediate_state_indices", rows)
     if tuple(rows.shape) != (N,):
         raise ValueError(f"intermediate_state_indices must have shape [{N}], got {list(rows.shape)}")
+    if parents is not None:
+        _check_integers("retrieve_parent_token", parents)
+        if parents.dim() != 2 or parents.shape[0] != N or parents.shape[1] < 1:
+            raise ValueError(f"retrieve_parent_token must have shape [{N}, P] (request n's token t's parent at "
+                             f"[n, t]), got {list(parents.shape)}")
     if cu_seqlens is None and buffer.shape[1] < T:
         raise ValueError(f"intermediate_states_buffer [rows, S, ...] holds each token's state: S must be at least "
                          f"T={T}, got {buffer.shape[1]}")

@@ -35,25 +35,28 @@ WRITE_ROW, WRITE_SLOT, WRITE_EACH_TOKEN = tl.constexpr(Write.ROW), tl.constexpr(
 WRITE_BUFFER = tl.constexpr(Write.BUFFER)
 
 
-@triton.jit(do_not_specialize=["T", "slots", "pad_slot", "buffer_slots"])
+@triton.jit(do_not_specialize=["T", "slots", "pad_slot", "buffer_slots", "parent_columns"])
 def decode_kernel(
     q, k, v, g, beta, A_log, dt_bias, o,    # tokens [·, ·, heads, channels]: row r at r · S*T, head at S*H
     s_in, s_out,                            # states: row r at r · S_IN / r · S_OUT; None where absent
     cu_seqlens, indices, accepted, has_state,  # [N + 1]; [N, COLUMNS] slots (row stride S_IDX); [N]; [N] bool
     buffer_rows,                            # [N]: s_out's rows of [COLUMNS, HV, ·, ·] states (WRITE_BUFFER)
-    T, slots, pad_slot, buffer_slots, scale, lower_bound,
-    SQT, SQH, SKT, SKH, SVT, SVH, SGT, SGH, SBT, SBH, SOT, SOH, S_IN, S_OUT, S_IDX,
+    parents,                                # [N, parent_columns]: token t's parent token (TREE; row stride S_PAR)
+    T, slots, pad_slot, buffer_slots, parent_columns, scale, lower_bound,
+    SQT, SQH, SKT, SKH, SVT, SVH, SGT, SGH, SBT, SBH, SOT, SOH, S_IN, S_OUT, S_IDX, S_PAR,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     MODE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
     BETA_SIGMOID: tl.constexpr, V_FIRST: tl.constexpr, PACKED: tl.constexpr, READ: tl.constexpr,
     WRITE: tl.constexpr, COLUMNS: tl.constexpr, ACCEPTED: tl.constexpr, PAD: tl.constexpr, HAS_MASK: tl.constexpr,
-    SINGLE: tl.constexpr, BLOCKS_FIRST: tl.constexpr,
+    SINGLE: tl.constexpr, BLOCKS_FIRST: tl.constexpr, TREE: tl.constexpr,
 ):
     # READ (kda_opt/options.Read): zeros, dense row n, or pool row indices[n, accepted[n] − 1] (column
     # 0 without accepted); with HAS_MASK zeros where has_state[n] is false. WRITE (options.Write):
     # nothing, dense row n after the last token, pool row indices[n] after it, or pool row
     # indices[n, t] after each token t (speculative verify), or the buffer's row buffer_rows[n], its
-    # state t, after each token t < COLUMNS (SGLang's verify: s_in the pool, only read). SINGLE: only
+    # state t, after each token t < COLUMNS (SGLang's verify: s_in the pool, only read); with TREE a
+    # token t > 0 starts from the buffer's state after its parent token parents[n, t] where that is one
+    # of 0 .. t − 1 it wrote, else from the state after token t − 1. SINGLE: only
     # the sequences of one token (kda_forward's, where a packed call leaves them to this kernel); a
     # program of any other reads, computes and writes nothing.
     if BLOCKS_FIRST:    # grid (V / BV, HV, N): a (request, head)'s V blocks are neighbouring programs
@@ -91,6 +94,14 @@ def decode_kernel(
         b_s = tl.load(s_in + row * S_IN + o_s, mask=row >= 0, other=0.0).to(tl.float32)
     for t in range(T):
         r = bos + t
+        if TREE:
+            parent = tl.load(parents + i_n * S_PAR + t, mask=live & (t > 0) & (t < parent_columns), other=-1)
+            parent = parent.to(tl.int64)
+            written = live & (parent >= 0) & (parent < t) & (parent < COLUMNS)
+            row = _rows(_slot(buffer_rows, i_n, 0, written, buffer_slots, pad_slot, 1, False), K, BV)
+            tl.debug_barrier()      # the parent's state, stored by this program, read back by any thread
+            b_p = tl.load(s_out + row * S_OUT + parent * (HV * K * V) + o_s, mask=row >= 0, other=0.0)
+            b_s = tl.where(row >= 0, b_p.to(tl.float32), b_s)
         b_q, b_k, b_d, b_beta = _token(q, k, g, beta, A_log, dt_bias, r, i_h, i_hv, scale, lower_bound,
                                        SQT, SQH, SKT, SKH, SGT, SGH, SBT, SBH, K, MODE, HAS_A, HAS_BIAS, L2NORM,
                                        BETA_SIGMOID)
@@ -231,11 +242,11 @@ def _rows(row, R: tl.constexpr, C: tl.constexpr):
 
 
 def decode(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, final_state=None,
-           cu_seqlens=None, indices=None, accepted=None, out=None, has_initial_state=None, buffer_rows=None, *,
-           kernels: Kernels | None = None):
+           cu_seqlens=None, indices=None, accepted=None, out=None, has_initial_state=None, buffer_rows=None,
+           parents=None, *, kernels: Kernels | None = None):
     """o [B, T, HV, V] (into `out` if given), the states read from initial_state and written into
     final_state as the plan says (module docstring; with Write.BUFFER final_state is the buffer
-    [rows, S, HV, ·, ·] and buffer_rows [N] its rows). Inputs validated by kda_opt/plan's
+    [rows, S, HV, ·, ·] and buffer_rows [N] its rows, parents [N, P] each token's parent). Inputs validated by kda_opt/plan's
     make_decode_plan (or make_plan, for a packed prefill's sequences of one token: plan.single);
     their last dimension dense. has_initial_state: [N] bool, zeros where false (kda_forward's)."""
     o = v.new_empty(v.shape) if out is None else out      # dense: token row r at r · stride(1)
@@ -263,17 +274,18 @@ def decode(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial
         decode_kernel, (plan.V // plan.block_v, plan.HV, plan.N) if plan.blocks_first
         else (plan.N * plan.HV, plan.V // plan.block_v), kernels,
         q, k, v, g, beta, A_log, dt_bias, o,
-        s_in, s_out, cu_seqlens, indices, accepted, has_initial_state, buffer_rows,
+        s_in, s_out, cu_seqlens, indices, accepted, has_initial_state, buffer_rows, parents,
         plan.T, plan.slots, -1 if plan.pad_slot is None else plan.pad_slot,
-        0 if buffer_rows is None else final_state.shape[0], plan.scale,
+        0 if buffer_rows is None else final_state.shape[0], 0 if parents is None else parents.shape[1], plan.scale,
         float(plan.gate.lower_bound or 0.0),
         sq[1], sq[2], sk[1], sk[2], sv[1], sv[2], sg[1], sg[2], sb[1], sb[2], so[1], so[2],
         0 if initial_state is None else initial_state.stride(0), 0 if final_state is None else final_state.stride(0),
         0 if indices is None else indices.stride(0),      # [N] indices: one column, row n at n · stride
+        0 if parents is None else parents.stride(0),
         plan.H, plan.HV, plan.K, plan.V, plan.block_v, gate_mode(plan.gate), A_log is not None, dt_bias is not None,
         plan.l2norm, plan.beta_sigmoid or 0.0, plan.state_v_first, plan.packed, plan.read, plan.write, plan.columns,
         accepted is not None, plan.pad_slot is not None, has_initial_state is not None, plan.single,
-        plan.blocks_first, num_warps=plan.num_warps,
+        plan.blocks_first, parents is not None, num_warps=plan.num_warps,
     )
     return o
 
@@ -298,7 +310,8 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
                *, inplace_final_state: bool = False, ssm_state_indices: torch.Tensor | None = None,
                num_accepted_tokens: torch.Tensor | None = None, out: torch.Tensor | None = None,
                pad_slot: int | None = None, intermediate_states_buffer: torch.Tensor | None = None,
-               intermediate_state_indices: torch.Tensor | None = None):
+               intermediate_state_indices: torch.Tensor | None = None,
+               retrieve_parent_token: torch.Tensor | None = None):
     r"""Decode steps and speculative verify; the same function and arguments as FLA 0.6.0's
     ``fused_recurrent_kda``, with the serving arguments of its ``fused_recurrent_kda_fwd``.
 
@@ -346,6 +359,12 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
             ``output_final_state`` or ``num_accepted_tokens``.
         intermediate_state_indices: ``[N]`` int32/int64 rows of the buffer (a negative one, or one
             past it, is not written).
+        retrieve_parent_token: ``[N, P]`` int32/int64, a tree of draft tokens (SGLang's tree verify;
+            needs the buffer): request n's token ``t > 0`` starts from the state after its parent
+            token ``p = retrieve_parent_token[n, t]``, read back from ``buffer[row, p]`` as written
+            there (in the buffer's dtype), instead of from the state after token ``t − 1``. A parent
+            outside ``0 .. t − 1``, one at or past ``S``, a column ``t ≥ P`` and a request whose buffer
+            row is not written keep the state after token ``t − 1``; column 0 is not read.
 
     Padding: a negative index, one at or past ``slots`` and ``pad_slot`` read as zeros and are not
     written; a request whose ``num_accepted_tokens`` is outside ``1 .. S`` (vLLM's rows of zero
@@ -370,7 +389,7 @@ def kda_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
 # The call's tensors in run's order: the inputs a bound call (kda_opt/bound) replays on.
 _INPUTS = operator.itemgetter("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens",
                               "ssm_state_indices", "num_accepted_tokens", "out", "intermediate_states_buffer",
-                              "intermediate_state_indices")
+                              "intermediate_state_indices", "retrieve_parent_token")
 
 
 def call(entry: Entry, arguments: dict):
@@ -382,14 +401,14 @@ def call(entry: Entry, arguments: dict):
 
 def run(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, cu_seqlens=None,
         ssm_state_indices=None, num_accepted_tokens=None, out=None, intermediate_states_buffer=None,
-        intermediate_state_indices=None, *, kernels: Kernels | None = None):
+        intermediate_state_indices=None, retrieve_parent_token=None, *, kernels: Kernels | None = None):
     """kda_decode's call under its plan: (o, final_state)."""
     final = intermediate_states_buffer if plan.write == Write.BUFFER else initial_state if plan.write else None
     if plan.output_final_state:
         final = q.new_empty(state_shape(plan.N, plan.HV, plan.K, plan.V, plan.state_v_first), dtype=torch.float32)
     q, k, v, g, beta = (_token_rows(x) for x in (q, k, v, g, beta))
     o = decode(plan, q, k, v, g, beta, A_log, dt_bias, initial_state, final, cu_seqlens, ssm_state_indices,
-               num_accepted_tokens, out, None, intermediate_state_indices, kernels=kernels)
+               num_accepted_tokens, out, None, intermediate_state_indices, retrieve_parent_token, kernels=kernels)
     return o, final
 
 

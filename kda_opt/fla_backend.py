@@ -120,7 +120,8 @@ def direct_fused_recurrent_kda(own):
 
 # kda_decode's serving arguments as FLA's fused_recurrent_kda passes them on (none of them).
 DECODE_SERVING = dict(inplace_final_state=False, ssm_state_indices=None, num_accepted_tokens=None, out=None,
-                      pad_slot=None, intermediate_states_buffer=None, intermediate_state_indices=None)
+                      pad_slot=None, intermediate_states_buffer=None, intermediate_state_indices=None,
+                      retrieve_parent_token=None)
 
 
 @functools.cache

@@ -530,15 +530,18 @@ def make_decode_plan(arguments: Mapping[str, Any], sms: int | None = None) -> De
                                       a.num_accepted_tokens, a.out, a.pad_slot, a.state_v_first, a.cu_seqlens)
     buffer = a.intermediate_states_buffer
     if buffer is not None:
-        columns = validate_decode_buffer(q, v, N, buffer, a.intermediate_state_indices, indices, a.output_final_state,
-                                         a.inplace_final_state, a.num_accepted_tokens, a.state_v_first, a.cu_seqlens)
-    elif a.intermediate_state_indices is not None:
-        raise ValueError("intermediate_state_indices name rows of intermediate_states_buffer: it needs one")
+        columns = validate_decode_buffer(q, v, N, buffer, a.intermediate_state_indices, a.retrieve_parent_token,
+                                         indices, a.output_final_state, a.inplace_final_state, a.num_accepted_tokens,
+                                         a.state_v_first, a.cu_seqlens)
+    elif a.intermediate_state_indices is not None or a.retrieve_parent_token is not None:
+        raise ValueError("intermediate_state_indices and retrieve_parent_token name rows and states of "
+                         "intermediate_states_buffer: they need one")
     if sms is None:
         validate_devices(q, k=a.k, v=v, g=a.g, beta=a.beta, initial_state=initial_state, A_log=a.A_log,
                          dt_bias=a.dt_bias, cu_seqlens=a.cu_seqlens, ssm_state_indices=indices,
                          num_accepted_tokens=a.num_accepted_tokens, out=a.out, intermediate_states_buffer=buffer,
-                         intermediate_state_indices=a.intermediate_state_indices)
+                         intermediate_state_indices=a.intermediate_state_indices,
+                         retrieve_parent_token=a.retrieve_parent_token)
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     write = Write.NONE if buffer is None else Write.BUFFER
     if a.output_final_state:

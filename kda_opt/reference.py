@@ -233,11 +233,12 @@ def reference_decode(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, ini
                      output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                      use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None, state_v_first=False,
                      cu_seqlens=None, *, inplace_final_state=False, ssm_state_indices=None, num_accepted_tokens=None,
-                     out=None, pad_slot=None, intermediate_states_buffer=None, intermediate_state_indices=None):
+                     out=None, pad_slot=None, intermediate_states_buffer=None, intermediate_state_indices=None,
+                     retrieve_parent_token=None):
     """kda_decode's arguments → float64 (o, final state): the new final states
     (output_final_state), a float64 copy of the pool or of initial_state with the rows the call writes
     replaced (inplace_final_state), such a copy of intermediate_states_buffer (with one), or None; by
-    its docstring's rules for slots, padding and accepted tokens, token after token."""
+    its docstring's rules for slots, padding, accepted tokens and parent tokens, token after token."""
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     if use_beta_sigmoid_in_kernel:
@@ -269,15 +270,22 @@ def reference_decode(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, ini
         else:
             S = v.new_zeros(HV, K, V, dtype=torch.float64) if pool is None else layout(pool[n])
         S = S[None]
+        buffer_row = None if buffer is None else int(intermediate_state_indices[n])
+        if buffer_row is not None and not 0 <= buffer_row < len(buffer):
+            buffer_row = None
         for t in range(eos - bos):
+            parent = (-1 if retrieve_parent_token is None or buffer_row is None or t >= retrieve_parent_token.shape[1]
+                      else int(retrieve_parent_token[n, t]))
+            if 0 <= parent < min(t, buffer.shape[1]):     # the buffer's state after the parent, as written
+                S = layout(buffer[buffer_row, parent].to(intermediate_states_buffer.dtype).double())[None]
             o[:, bos + t], S = (x[:, 0] if i == 0 else x for i, x in enumerate(recurrent_kda(
                 *(x[:, bos + t:bos + t + 1] for x in flat), scale, S)))
             if inplace_final_state and per_token:
                 row = slot(n, t, live)
                 if row is not None:
                     written[row] = layout(S[0])
-            if buffer is not None and 0 <= int(intermediate_state_indices[n]) < len(buffer) and t < buffer.shape[1]:
-                buffer[int(intermediate_state_indices[n]), t] = layout(S[0])
+            if buffer_row is not None and t < buffer.shape[1]:
+                buffer[buffer_row, t] = layout(S[0])
         finals.append(S[0])
         if inplace_final_state and not per_token:
             row = n if index is None else slot(n, 0, live)

@@ -56,13 +56,15 @@ def kernel_class():
 
     class KdaOptKDAKernel(TritonKDAKernel):
         """SGLang's KDA kernel on kda_opt: extend through kda_forward; decode (steps of up to
-        `decode_requests` requests), packed decode (fp32 pools) and chain verify (`takes_verify`,
-        on by default) through kda_decode, each taken only where it measured at least SGLang's own
-        kernel (docs/USAGE.md, "SGLang"); every other call, and every call off Hopper or with head
-        dims other than 64 and 128, through SGLang's Triton kernel."""
+        `decode_requests` requests), packed decode (fp32 pools), chain verify (`takes_verify`, on by
+        default) and tree verify (`takes_tree_verify`, off until measured) through kda_decode, each
+        taken only where it measured at least SGLang's own kernel (docs/USAGE.md, "SGLang"); every
+        other call, and every call off Hopper or with head dims other than 64 and 128, through
+        SGLang's Triton kernel."""
 
         decode_requests = DECODE_REQUESTS
         takes_verify = True
+        takes_tree_verify = False
 
         def extend(self, q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, A_log=None,
                    dt_bias=None, lower_bound=None, beta_is_raw=False, return_intermediate_states=False,
@@ -104,10 +106,9 @@ def kernel_class():
         def target_verify(self, A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, query_start_loc,
                           intermediate_states_buffer, intermediate_state_indices, cache_steps,
                           retrieve_parent_token, lower_bound=None, **kwargs):
-            # A tree (retrieve_parent_token) and the ReplaySSM ring (cache_ring and its buffers) are
-            # SGLang's Triton kernel's alone.
-            if not (self.takes_verify and retrieve_parent_token is None and not kwargs.get("cache_ring")
-                    and computes(q, v, ssm_states)):
+            # The ReplaySSM ring (cache_ring and its buffers) is SGLang's Triton kernel's alone.
+            takes = self.takes_verify if retrieve_parent_token is None else self.takes_tree_verify
+            if not (takes and not kwargs.get("cache_ring") and computes(q, v, ssm_states)):
                 return super().target_verify(
                     A_log, dt_bias, q, k, v, a, b, ssm_states=ssm_states, cache_indices=cache_indices,
                     query_start_loc=query_start_loc, intermediate_states_buffer=intermediate_states_buffer,
@@ -117,7 +118,7 @@ def kernel_class():
                           cache_indices=cache_indices, query_start_loc=query_start_loc,
                           intermediate_states_buffer=intermediate_states_buffer,
                           intermediate_state_indices=intermediate_state_indices, cache_steps=cache_steps,
-                          lower_bound=lower_bound)
+                          retrieve_parent_token=retrieve_parent_token, lower_bound=lower_bound)
 
     return KdaOptKDAKernel
 
@@ -265,13 +266,15 @@ def packed_decode(mixed_qkv, a, b, *, A_log, dt_bias, scale, ssm_states, cache_i
 
 
 def verify(q, k, v, a, b, *, A_log, dt_bias, ssm_states, cache_indices, query_start_loc,
-           intermediate_states_buffer, intermediate_state_indices, cache_steps, lower_bound):
-    """SGLang's chain verify through kda_decode: o [1, T, HV, V]; request n's state after its draft
-    token t into intermediate_states_buffer[intermediate_state_indices[n], t] (t < cache_steps), the
-    pool only read, in one pass. SGLang gives padding requests (cache_indices −1: a zero start) a
-    discard row of their own, which they write as its kernel does."""
+           intermediate_states_buffer, intermediate_state_indices, cache_steps, retrieve_parent_token, lower_bound):
+    """SGLang's verify through kda_decode: o [1, T, HV, V]; request n's state after its draft token t
+    into intermediate_states_buffer[intermediate_state_indices[n], t] (t < cache_steps), the pool only
+    read, in one pass; a chain, or with retrieve_parent_token a tree, each token t > 0 from the state
+    after its parent token. SGLang gives padding requests (cache_indices −1: a zero start) a discard
+    row of their own, which they write as its kernel does."""
     N = query_start_loc.shape[0] - 1
     return _decode(q, k, v, a, b, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                    query_start_loc=query_start_loc, pool=ssm_states, indices=cache_indices[:N],
                    intermediate_states_buffer=intermediate_states_buffer[:, :cache_steps],
-                   intermediate_state_indices=intermediate_state_indices[:N])
+                   intermediate_state_indices=intermediate_state_indices[:N],
+                   retrieve_parent_token=None if retrieve_parent_token is None else retrieve_parent_token[:N])

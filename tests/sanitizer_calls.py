@@ -162,6 +162,11 @@ CALLS = {
         [4, 2, 5], torch.tensor([3, -1, 0]), 6, v_first=True, inplace_final_state=False,
         intermediate_states_buffer=torch.randn(4, 5, H, K, K, device="cuda")[:, :4],
         intermediate_state_indices=torch.tensor([2, 0, -1], device="cuda"))),
+    "tree verify into a buffer (SGLang's), parents read back": lambda: kda_decode(**decode_call(
+        [4, 2, 5], torch.tensor([3, -1, 0]), 6, v_first=True, inplace_final_state=False,
+        intermediate_states_buffer=torch.randn(4, 5, H, K, K, device="cuda")[:, :4],
+        intermediate_state_indices=torch.tensor([2, 0, -1], device="cuda"),
+        retrieve_parent_token=torch.tensor([[-1, 0, 0, 1, 9], [-1, 0, 0, 0, 0], [-1, 0, 1, 1, 3]], device="cuda"))),
 }
 
 

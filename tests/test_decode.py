@@ -23,10 +23,11 @@ TOLERANCE = 2e-2 if HAS_CUDA else 1e-5
 
 def inputs(N, T, H, K, *, HV=None, lens=None, gate="safe", l2norm=False, beta_logits=False, neg_eigval=False,
            v_first=False, slots=None, indices=None, accepted=None, pool_dtype=torch.float32, pad_slot=None,
-           inplace=False, output_final_state=False, state=True, buffer_rows=None, steps=None, seed=0):
+           inplace=False, output_final_state=False, state=True, buffer_rows=None, steps=None, parents=None, seed=0):
     """kda_decode's arguments: N requests of T tokens (packed with `lens`), a pool of `slots` rows (padded)
     at `indices`, or a dense state per request; with buffer_rows, a buffer of `steps` states a row (its
-    rows padded: `steps` of `steps` + 1) at those rows, in the pool's dtype."""
+    rows padded: `steps` of `steps` + 1) at those rows, in the pool's dtype, and with parents a tree
+    (retrieve_parent_token)."""
     gen = torch.Generator().manual_seed(seed)
     HV = HV or H
     B, T = (1, sum(lens)) if lens else (N, T)
@@ -63,6 +64,8 @@ def inputs(N, T, H, K, *, HV=None, lens=None, gate="safe", l2norm=False, beta_lo
         buffer = rand(max(buffer_rows) + 2, steps + 1, HV, K, K)[:, :steps]
         args.update(intermediate_states_buffer=buffer.to(DEVICE, pool_dtype),
                     intermediate_state_indices=torch.tensor(buffer_rows, device=DEVICE))
+    if parents is not None:
+        args["retrieve_parent_token"] = torch.tensor(parents, device=DEVICE)
     return args
 
 
@@ -75,7 +78,8 @@ def decoded(args, sms=None):
         return kda_decode(**args)
     plan = make_decode_plan(arguments_of(kda_decode, **args), sms=sms or SMS)
     names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens", "ssm_state_indices",
-             "num_accepted_tokens", "out", "intermediate_states_buffer", "intermediate_state_indices")
+             "num_accepted_tokens", "out", "intermediate_states_buffer", "intermediate_state_indices",
+             "retrieve_parent_token")
     return run(plan, **{n: args.get(n) for n in names})
 
 
@@ -152,6 +156,14 @@ CASES = {
                                                                 buffer_rows=[1, 0], steps=3, gate="softplus",
                                                                 l2norm=True, beta_logits=True,
                                                                 pool_dtype=torch.bfloat16),
+    # SGLang's tree verify: token t from the buffer's state after its parent (a parent not before t, or
+    # not written, and a column past the parents' keep the chain).
+    "tree verify into a buffer, packed, V-first": dict(
+        N=4, T=None, H=2, K=64, lens=[4, 5, 1, 3], slots=6, indices=[4, -1, 2, 0], buffer_rows=[3, 0, -1, 1],
+        steps=4, v_first=True, parents=[[-1, 0, 0, 2, 0], [-1, 0, 1, 1, 3], [-1, 5, 0, 0, 0], [-1, 0, 7, 1, 0]]),
+    "tree verify, fewer parents than tokens, softplus": dict(
+        N=2, T=3, H=2, K=64, slots=3, indices=[1, 0], buffer_rows=[1, 0], steps=3, gate="softplus",
+        parents=[[-1, 0], [0, 0]]),
 }
 
 
@@ -159,6 +171,35 @@ CASES = {
 def test_decode_matches_the_recurrence(case):
     # The streamed cases on one SM, where their few programs take the streamed kernel.
     check(inputs(**CASES[case]), sms=1 if case.startswith("streamed") else None)
+
+
+def test_a_tree_token_continues_its_parents_path():
+    """reference_decode's tree, as SGLang's verify means it: the state after a request's token t is that
+    of the chain of t's path (its ancestors by retrieve_parent_token, in order, then t; a parent not
+    before its token, the one before it) from the request's start (fp32 states: the buffer's rounding
+    aside)."""
+    args = inputs(**CASES["tree verify into a buffer, packed, V-first"])
+    parents, bounds = args["retrieve_parent_token"].tolist(), args["cu_seqlens"].tolist()
+    S = args["intermediate_states_buffer"].shape[1]
+    _, buffer = reference_decode(**args)
+    tokens = ("q", "k", "v", "g", "beta")
+    checked = 0
+    for n, (row, slot) in enumerate(zip(args["intermediate_state_indices"].tolist(),
+                                        args["ssm_state_indices"].tolist())):
+        for t in range(min(S, bounds[n + 1] - bounds[n])) if row >= 0 else ():
+            path = [t]
+            while path[0] > 0:      # a parent not before its token (or not written) stands for the chain's
+                p = parents[n][path[0]]
+                path.insert(0, p if 0 <= p < path[0] else path[0] - 1)
+            start = args["initial_state"][slot] if slot >= 0 else torch.zeros_like(args["initial_state"][0])
+            chain = {**args, **{x: args[x][:, [bounds[n] + p for p in path]] for x in tokens},
+                     "initial_state": start[None], "ssm_state_indices": None, "intermediate_states_buffer": None,
+                     "intermediate_state_indices": None, "retrieve_parent_token": None, "cu_seqlens": None,
+                     "output_final_state": True}
+            _, final = reference_decode(**chain)
+            assert rel_err(buffer[row, t], final[0]) < 1e-6, (n, t, path)
+            checked += len(path) > 1 and path[-2] != t - 1
+    assert checked == 2      # tokens whose path leaves the chain
 
 
 PADDED = {
@@ -290,7 +331,7 @@ BAD_INPUTS = {
     "a NaN scale": (ValueError, "finite", dict(scale=float("nan"))),
     "a buffer without its rows": (ValueError, "needs intermediate_state_indices", dict(
         inplace_final_state=False, intermediate_states_buffer=torch.zeros(3, 1, 2, 64, 64))),
-    "buffer rows without a buffer": (ValueError, "it needs one", dict(intermediate_state_indices=torch.tensor([0, 1]))),
+    "buffer rows without a buffer": (ValueError, "need one", dict(intermediate_state_indices=torch.tensor([0, 1]))),
     "a buffer and the pool written": (ValueError, "not with", dict(
         intermediate_states_buffer=torch.zeros(3, 1, 2, 64, 64), intermediate_state_indices=torch.tensor([0, 1]))),
     "a buffer of the wrong shape": (ValueError, r"\[rows, S, 2, 64, 64\]", dict(
@@ -306,6 +347,13 @@ BAD_INPUTS = {
     "buffer rows of the wrong length": (ValueError, r"intermediate_state_indices must have shape \[2\]", dict(
         inplace_final_state=False, intermediate_states_buffer=torch.zeros(3, 1, 2, 64, 64),
         intermediate_state_indices=torch.tensor([0]))),
+    "parents without a buffer": (ValueError, "they need one", dict(retrieve_parent_token=torch.zeros(2, 1).long())),
+    "parents of the wrong shape": (ValueError, r"retrieve_parent_token must have shape \[2, P\]", dict(
+        inplace_final_state=False, intermediate_states_buffer=torch.zeros(3, 1, 2, 64, 64),
+        intermediate_state_indices=torch.tensor([0, 1]), retrieve_parent_token=torch.zeros(2).long())),
+    "float parents": (TypeError, "int32 or int64", dict(
+        inplace_final_state=False, intermediate_states_buffer=torch.zeros(3, 1, 2, 64, 64),
+        intermediate_state_indices=torch.tensor([0, 1]), retrieve_parent_token=torch.zeros(2, 1))),
 }
 
 
@@ -341,14 +389,14 @@ def test_decode_on_the_gpu_as_fla():
 
 POINTERS = dict(q="*bf16", k="*bf16", v="*bf16", g="*bf16", beta="*bf16", A_log="*fp32", dt_bias="*fp32", o="*bf16",
                 s_in="*fp32", s_out="*fp32", cu_seqlens="*i64", indices="*i64", accepted="*i64", has_state="*i1",
-                buffer_rows="*i32")
+                buffer_rows="*i32", parents="*i64")
 KIMI_DECODE = dict(H=32, HV=32, K=128, V=128, BV=64, MODE=1, HAS_A=True, HAS_BIAS=True, L2NORM=True, BETA_SIGMOID=1.0,
                    V_FIRST=True, PACKED=True, READ=2, WRITE=2, COLUMNS=1, ACCEPTED=False, PAD=True, HAS_MASK=False,
-                   SINGLE=False, BLOCKS_FIRST=False)
+                   SINGLE=False, BLOCKS_FIRST=False, TREE=False)
 VARIANTS = [
     dict(), dict(BV=16, num_warps=1), dict(BV=16, num_warps=1, BLOCKS_FIRST=True),
     dict(V_FIRST=False, WRITE=3, COLUMNS=4, ACCEPTED=True, num_warps=4),
-    dict(BV=16, num_warps=1, WRITE=4, COLUMNS=4),
+    dict(BV=16, num_warps=1, WRITE=4, COLUMNS=4), dict(BV=16, num_warps=1, WRITE=4, COLUMNS=4, TREE=True),
     dict(WRITE=3, COLUMNS=2, PACKED=False), dict(SINGLE=True, HAS_MASK=True, PAD=False),
     dict(SINGLE=True, READ=1, WRITE=1, HAS_MASK=True, PAD=False),
     dict(READ=1, WRITE=1, PACKED=False, PAD=False, L2NORM=False, BETA_SIGMOID=0.0, MODE=0, HAS_A=False,

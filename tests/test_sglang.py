@@ -229,20 +229,24 @@ def test_taken_names_the_calls_the_plugin_runs(stood_in, sglang_own):
     assert calls.taken(small) and not calls.taken(large)
     packed = calls.step("packed_decode", 2, [1] * 5, "softplus", device="cpu")
     assert calls.taken(packed) and not calls.taken({**packed, "ssm_states": packed["ssm_states"].bfloat16()})
-    verify = calls.step("verify", 2, [1] * 3, "safe", device="cpu")
-    tree = {**verify, "retrieve_parent_token": torch.zeros(3, 4, dtype=torch.long)}
-    assert calls.taken(verify) and not calls.taken(tree)
-    assert [s[0] for s in sglang_own] == ["decode", "packed_decode", "target_verify"]
+    verify, tree = (calls.step(name, 2, [1] * 3, "safe", device="cpu") for name in ("verify", "tree_verify"))
+    ring = {**verify, "cache_ring": True}
+    assert calls.taken(verify) and not calls.taken(tree) and not calls.taken(ring)
+    assert [s[0] for s in sglang_own] == ["decode", "packed_decode", "target_verify", "target_verify"]
 
 
-def test_tree_verify_is_sglangs(stood_in, sglang_own):
-    call = calls.step("verify", 2, [1] * 3, "safe", device="cpu")
+def test_tree_verify_passes_its_parents(stood_in, sglang_own):
+    """A tree (retrieve_parent_token; `takes_tree_verify`) goes to kda_decode with the buffer, each live
+    request's parents row; the ReplaySSM ring stays SGLang's."""
+    call = calls.step("tree_verify", 2, [1] * 3, "safe", device="cpu")
     kernel = plugin.kernel_class()()
-    kernel.takes_verify = True
+    kernel.takes_tree_verify = True
     args = calls.arguments(call)
-    args["retrieve_parent_token"] = torch.zeros(3, 4, dtype=torch.long)
-    assert calls.run_in_place(kernel, "verify", args) == "sglang"
-    assert "decode" not in stood_in
+    calls.run_in_place(kernel, "verify", args)
+    kw = stood_in["decode"][1]
+    assert torch.equal(kw["retrieve_parent_token"], call["retrieve_parent_token"][:3])
+    assert kw["intermediate_states_buffer"].shape[1] == call["cache_steps"] and not kw["inplace_final_state"]
+    assert calls.run_in_place(kernel, "verify", {**args, "cache_ring": True}) == "sglang" and sglang_own
 
 
 def _recurrence(q, k, v, g, beta, *, initial_state, initial_state_indices, cu_seqlens, checkpoints, **gate):
@@ -430,12 +434,16 @@ def test_intermediate_and_tracked_states_match_sglang(gate):
 
 @gpu
 @pytest.mark.parametrize("gate", ["softplus", "safe"])
-def test_chain_verify_matches_sglang(gate):
-    """Chain verify: each draft token's state into the buffer, the pool only read (bit for bit)."""
+@pytest.mark.parametrize("name", ["verify", "tree_verify"])
+def test_verify_matches_sglang(name, gate):
+    """Chain and tree verify through kda_decode: each draft token's state into the buffer, the pool
+    only read (bit for bit)."""
     ours, triton = calls.kernels()
-    ours.takes_verify = True
-    call = calls.step("verify", 12, [1] * 8, gate)
-    (o, pool, buf), (o_t, pool_t, buf_t) = calls.run(ours, call), calls.run(triton, call)
+    ours.takes_tree_verify = True
+    call = calls.step(name, 12, [1] * 8, gate)
+    (o, pool, buf), sglangs = calls.calls_to(type(triton), "target_verify", lambda: calls.run(ours, call))
+    assert not sglangs
+    o_t, pool_t, buf_t = calls.run(triton, call)
     assert rel_err(o, o_t) <= error_bound()
     assert rel_err(buf, buf_t) <= error_bound()
     assert torch.equal(pool, call["ssm_states"]) and torch.equal(pool_t, call["ssm_states"])

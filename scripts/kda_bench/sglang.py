@@ -14,6 +14,8 @@ SGLang's FlashKDAKernel where flash_kda is importable.
                    row-streaming kernel from 8 requests, its Triton one below)
     verify         chain verify: `draft` tokens per request, each token's state into
                    intermediate_states_buffer[request, t], the pool only read
+    tree_verify    the same with a tree of draft tokens (EAGLE's topk > 1): retrieve_parent_token [N, draft],
+                   token t > 0 from the state after a parent drawn among tokens 0 .. t − 1
 Kimi-Linear's calls take the softplus gate (no lower bound), K3's the safe gate (lower bound −5).
 Rows: `call, H, requests, tokens, gate, sglang_kernel, timing, sglang_ms, kda_opt_ms, speedup, taken,
 sglang_flashkda_ms, max_rel_err, untouched_ok` to <out-dir>/sglang_<gpu>.csv. sglang_kernel: the
@@ -35,21 +37,27 @@ K = 128
 GATES = {"softplus": None, "safe": -5.0}
 # (call, H, requests, tokens per step, gate): Kimi-Linear (softplus, 32 / 16 / 8 heads a GPU at TP 1 / 2 /
 # 4; its packed decode also at 4, TP 8) and K3 (safe, 24 / 12 heads at TP 4 / 8) at chunked-prefill sizes,
-# decode at 32 to 512 requests, chain verify of 2 and 4 draft tokens at 64 requests.
+# decode at 32 to 512 requests, chain verify of 2 and 4 draft tokens and tree verify of 4 and 8 at 64
+# requests.
 ROWS = ([("extend", H, n, T, "softplus") for H in (32, 16, 8) for n, T in ((1, 2048), (4, 8192), (8, 32768))]
         + [("extend", H, n, T, "safe") for H in (24, 12) for n, T in ((1, 2048), (4, 8192), (8, 32768))]
         + [("packed_decode", H, n, n, "softplus") for H in (32, 8, 4) for n in (32, 128, 512)]
         + [("decode", H, n, n, "safe") for H in (24, 12) for n in (32, 128, 512)]
-        + [("verify", H, 64, draft * 64, gate) for H, gate in ((32, "softplus"), (12, "safe")) for draft in (2, 4)])
+        + [("verify", H, 64, draft * 64, gate) for H, gate in ((32, "softplus"), (12, "safe")) for draft in (2, 4)]
+        + [("tree_verify", H, 64, draft * 64, gate) for H, gate in ((32, "softplus"), (12, "safe"))
+           for draft in (4, 8)])
 FIELDS = ["call", "H", "requests", "tokens", "gate", "sglang_kernel", "timing", "sglang_ms", "kda_opt_ms", "speedup",
           "taken", "sglang_flashkda_ms", "max_rel_err", "untouched_ok"]
 GRAPH_CALLS = 10     # steps per CUDA graph in a decode or verify row's time
 # The TritonKDAKernel method SGLang's backend calls for each call, and the kernel it runs there.
-METHODS = {"extend": "extend", "decode": "decode", "packed_decode": "packed_decode", "verify": "target_verify"}
+METHODS = {"extend": "extend", "decode": "decode", "packed_decode": "packed_decode", "verify": "target_verify",
+           "tree_verify": "target_verify"}
 SGLANG_KERNELS = {"extend": "Triton chunk_kda", "decode": "Triton fused_sigmoid_gating_delta_rule_update",
                   "verify": "Triton fused_sigmoid_gating_delta_rule_update",
+                  "tree_verify": "Triton fused_sigmoid_gating_delta_rule_update",
                   "packed_decode": "Triton fused_recurrent_kda_packed_decode"}
 CUDA_PACKED = "CUDA kda_packed_decode"
+VERIFY = ("verify", "tree_verify")
 
 
 def lengths(requests: int, tokens: int, seed: int = 0) -> list[int]:
@@ -75,7 +83,7 @@ def step(call: str, H: int, lens: list[int], gate: str, *, pad: bool = False, dr
     one_token = call in ("decode", "packed_decode")
     if one_token:
         lens = [1] * N
-    if call == "verify":
+    if call in VERIFY:
         lens = [draft] * N
     if call == "extend" and pad:
         lens = [*lens, 100]
@@ -100,10 +108,14 @@ def step(call: str, H: int, lens: list[int], gate: str, *, pad: bool = False, dr
         args.update(g=a.view(1, T, H, K), beta_is_raw=True, extend_seq_lens_cpu=lens)
     else:
         args.update(a=a)
-    if call == "verify":
+    if call in VERIFY:
+        parents = None
+        if call == "tree_verify":     # token t's parent among 0 .. t − 1; token 0's (never read) −1
+            parents = (torch.rand(N, draft, generator=gen) * torch.arange(draft)).long()
+            parents[:, 0] = -1
         args.update(intermediate_states_buffer=torch.zeros(N + 1, draft, H, K, K),
                     intermediate_state_indices=torch.arange(N, dtype=torch.int32), cache_steps=draft,
-                    retrieve_parent_token=None)
+                    retrieve_parent_token=parents)
     low = ("g", "a", "beta")
     args = {n: (x.to(device, torch.bfloat16 if n in low else None) if isinstance(x, torch.Tensor) else x)
             for n, x in args.items()}
@@ -124,7 +136,7 @@ def run(kernel, call: dict):
     (its result, the pool after, the buffer after or None)."""
     args = arguments(call)
     args["ssm_states"] = args["ssm_states"].clone()
-    if call["call"] == "verify":
+    if call["call"] in VERIFY:
         args["intermediate_states_buffer"] = args["intermediate_states_buffer"].clone()
     out = run_in_place(kernel, call["call"], args)
     return out, args["ssm_states"], args.get("intermediate_states_buffer")
@@ -144,12 +156,12 @@ def compare(ours, theirs, call: dict) -> tuple[float, bool]:
         o, o_ref = o[:, index >= 0], o_ref[:, index >= 0]
     errors = [rel_err(o, o_ref)]
     named = index[index >= 0]
-    if call["call"] == "verify":
+    if call["call"] in VERIFY:
         errors.append(rel_err(buf, buf_ref))
     else:
         errors.append(rel_err(pool[named], pool_ref[named]))
     untouched = torch.ones(pool.shape[0], dtype=torch.bool, device=pool.device)
-    if call["call"] != "verify":
+    if call["call"] not in VERIFY:
         untouched[named] = False
     before = call["ssm_states"]
     same = all(torch.equal(p[untouched], before[untouched]) for p in (pool, pool_ref))
@@ -210,7 +222,7 @@ def run_in_place(kernel, name: str, args: dict):
     """`kernel`'s method for the call `name` on `args` (step's, without `call`), as SGLang's backend
     calls it: the tensors positionally, the rest by keyword."""
     a = dict(args)
-    if name == "verify":
+    if name in VERIFY:
         return kernel.target_verify(a.pop("A_log"), a.pop("dt_bias"), a.pop("q"), a.pop("k"), a.pop("v"),
                                     a.pop("a"), a.pop("beta"), **a)
     if name == "packed_decode":
@@ -226,7 +238,7 @@ def sglang_rows(out_dir, warmup=25, rep=100, quiet=False):
     returns the rows. kda_opt's kernel runs every call itself here, whatever it takes by default
     (`taken`), so that the rows say where it should."""
     ours, triton = kernels()
-    ours.decode_requests, ours.takes_verify = max(r[2] for r in ROWS), True
+    ours.decode_requests, ours.takes_verify, ours.takes_tree_verify = max(r[2] for r in ROWS), True, True
     flashkda = flashkda_kernel()
     rows = []
     label = lambda r: f"{r[0]} H={r[1]} N={r[2]} T={r[3]} {r[4]}"
