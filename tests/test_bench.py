@@ -392,9 +392,9 @@ def test_resumed_sweep_measures_only_the_cases_missing_from_its_csv(tmp_path, mo
     cases = bench.sweep_cases(bench.parse_args(argv))
     bench.write_csv([dict(cases[1].columns, **{**times, "kda_opt_ms": 2.0})], tmp_path / "benchmark_h200.csv")
     assert bench.main(argv + ["--resume"]) == 0
-    assert measured == cases[:1] + cases[2:] and "1 of 5 cases already" in capsys.readouterr().out
+    assert measured == cases[:1] + cases[2:] and f"1 of {len(cases)} cases already" in capsys.readouterr().out
     rows = bench.read_csv(tmp_path / "benchmark_h200.csv")
-    assert sorted(r["kda_opt_ms"] for r in rows) == [1.0] * 4 + [2.0]
+    assert sorted(r["kda_opt_ms"] for r in rows) == [1.0] * (len(cases) - 1) + [2.0]
     measured.clear()
     assert bench.main(argv + ["--resume"]) == 0 and measured == []
     assert bench.main(argv) == 0 and measured == cases
@@ -435,7 +435,7 @@ def test_sweep_rows():
     assert len(cases) == 2 * per_gate and {c.gate for c in cases[per_gate:]} == {"softplus"}
     shapes = [(c.B, c.T, c.H) for c in cases[:per_gate] if not c.seqlens and c.config == "default"]
     assert {(1, 8192, 96), (1, 8192, 64), (1, 65536, 16), (1, 2048, 16), (1, 65536, 32)} <= set(shapes)
-    drawn, mix6, mix8, short32, short96, lognormal96, long64, many512, l2norm = cases[per_gate - 9:per_gate]
+    drawn, mix6, mix8, short32, short96, lognormal96, long64, step128, many512, l2norm = cases[per_gate - 10:per_gate]
     assert (drawn.H, len(drawn.seqlens), max(drawn.seqlens) <= 8192) == (32, 64, True)
     assert (mix6.H, mix6.T, mix6.seqlens) == (96, 8192, (1300, 547, 2048, 963, 271, 3063))
     assert (mix8.H, mix8.T, mix8.seqlens) == (96, 8192, (1024,) * 8)
@@ -450,12 +450,15 @@ def test_sweep_rows():
     lens = sorted(long64.seqlens)                                     # prefill under load: 64 long requests
     assert (long64.H, len(lens), lens[-1], long64.T) == (32, 64, 32768, sum(lens)) and 2000 <= lens[32] <= 2800
     assert 3500 <= long64.T / 64 <= 4100                                                # mean ≈ 3.8 k
+    lens = sorted(step128.seqlens)                                    # the full GPU: a 128-request step
+    assert (step128.H, len(lens), lens[-1], step128.T) == (32, 128, 8192, sum(lens)) and 800 <= lens[64] <= 1300
+    assert {(16, 2048, 32), (32, 1024, 32), (16, 4096, 12), (8, 8192, 12)} <= set(shapes)
     assert (many512.H, many512.seqlens) == (32, (512,) * 512)
     assert (l2norm.T, l2norm.H, l2norm.seqlens, l2norm.config) == (8192, 96, None, "l2norm")
     serving = bench.sweep_cases(bench.parse_args(["--sweep-rows", "serving"]))
     shapes = bench.sweep_cases(bench.parse_args(["--sweep-rows", "shapes"]))
-    assert serving == cases[per_gate - 9:per_gate] + cases[-9:]
-    assert shapes == cases[:per_gate - 9] + cases[per_gate:-9]
+    assert serving == cases[per_gate - 10:per_gate] + cases[-10:]
+    assert shapes == cases[:per_gate - 10] + cases[per_gate:-10]
     peers = bench.sweep_cases(bench.parse_args(["--sweep-rows", "peers", "--sweep-gates", "safe"]))
     assert [(c.B, c.T, c.H) for c in peers[:7]] == [(1, 8192, 96), (1, 8192, 64), (8, 4096, 32), (2, 16384, 64),
                                                    (1, 32768, 32), (1, 65536, 16), (1, 2048, 16)]
@@ -466,8 +469,9 @@ def test_sweep_rows():
     assert [(c.B, c.T, c.H, c.dtype) for c in dtypes] == [(1, 8192, 96, torch.bfloat16), (1, 8192, 96, torch.float32)]
     assert dtypes[0] == cases[0] and dtypes[1].tag.endswith("_fp32")
     load = bench.sweep_cases(bench.parse_args(["--sweep-rows", "load", "--config", "flashkda"]))
-    assert [(c.B, c.T, c.H) for c in load[:3]] == [(1, 8192, 96), (8, 4096, 32), (2, 16384, 64)]
-    assert [c.seqlens for c in load[3:]] == [long64.seqlens, many512.seqlens]
+    assert [(c.B, c.T, c.H) for c in load[:7]] == [(1, 8192, 96), (8, 4096, 32), (2, 16384, 64), (16, 2048, 32),
+                                                   (32, 1024, 32), (16, 4096, 12), (8, 8192, 12)]
+    assert [c.seqlens for c in load[7:]] == [long64.seqlens, step128.seqlens, many512.seqlens]
     assert {(c.config, c.gate) for c in load} == {("flashkda", "safe")}
     tp = bench.sweep_cases(bench.parse_args(["--sweep-rows", "tp", "--sweep-gates", "safe"]))
     assert {(c.B, c.T, c.H) for c in tp[:18]} == {(B, T, H) for B in (1, 4) for T in (8192, 32768, 131072)

@@ -56,13 +56,15 @@ PEER_SHAPES = [(1, 8192, 96), (1, 8192, 64), (8, 4096, 32), (2, 16384, 64), (1, 
 # ("lognormal", count, median), H.
 SHORT_MIXES = [(("short", 384, (4096, 4096)), 32), (("short", 256, (2048,) * 4), 96), (("lognormal", 400, 12), 96)]
 PEER_PACKED = [((1300, 547, 2048, 963, 271, 3063), 96), ((1024,) * 8, 96)] + SHORT_MIXES
-SWEEP_SHAPES = list(dict.fromkeys(PEER_SHAPES + [(1, 1024 * 2 ** i, 32) for i in range(7)]))
 MIN_SEQ_LEN, NUM_SEQS = 64, 64
-# Prefill under load (a busy server, an offline batch): the peers' large shapes, 64 long requests
-# (lengths lognormal with a median of 2400 in [1, 32768]: about 245 k tokens, mean 3.8 k) and
-# 512 requests of 512 tokens, both at H = 32.
-LOAD_SHAPES = [(1, 8192, 96), (8, 4096, 32), (2, 16384, 64)]
-LOAD_PACKED = [(("lognormal", 64, 2400, 32768), 32), ((512,) * 512, 32)]
+# Prefill under load (a busy server, an offline batch; the full GPU): the peers' large shapes, batches
+# of 32 and 12 heads (Kimi-Linear's and K3's shards) that fill every SM, 64 long requests (lengths
+# lognormal with a median of 2400 in [1, 32768]: about 245 k tokens, mean 3.8 k), a 128-request step
+# (lognormal, median 1024 in [1, 8192]) and 512 requests of 512 tokens, all three at H = 32.
+LOAD_SHAPES = [(1, 8192, 96), (8, 4096, 32), (2, 16384, 64), (16, 2048, 32), (32, 1024, 32), (16, 4096, 12),
+               (8, 8192, 12)]
+LOAD_PACKED = [(("lognormal", 64, 2400, 32768), 32), (("lognormal", 128, 1024, 8192), 32), ((512,) * 512, 32)]
+SWEEP_SHAPES = list(dict.fromkeys(PEER_SHAPES + [(1, 1024 * 2 ** i, 32) for i in range(7)] + LOAD_SHAPES))
 SWEEP_PACKED = [("drawn", 32)] + PEER_PACKED + LOAD_PACKED
 # Tensor-parallel shards: the heads one GPU holds (a Kimi-K3-class model's 96 KDA heads over 8 GPUs:
 # 12, over 4: 24; GLM-class models 8), fixed lengths (B, T, H); and chunked-prefill steps at H = 12:
