@@ -561,12 +561,14 @@ def main(argv=None) -> int:
             return refuse("--test sglang needs SGLang (pip install sglang)")
         rows = sglang.sglang_rows(args.out_dir, args.warmup, args.rep, args.quiet)
         print(f"\n{'call':>13} {'H':>3} {'N':>4} {'tokens':>6} {'gate':>8} {'timing':>6} {'SGLang':>8} {'ours':>8} "
-              f"{'speedup':>7} {'taken':>5} {'FlashKDA':>8} {'max err':>8} untouched  SGLang's kernel")
+              f"{'speedup':>7} {'taken':>5} {'FlashKDA':>8} {'Helion':>8} {'its err':>8} {'max err':>8} untouched  "
+              f"SGLang's kernel")
+        shown = lambda x, form: x if isinstance(x, str) else f"{x:{form}}"
         for r in rows:
-            fkda = r["sglang_flashkda_ms"]
             print(f"{r['call']:>13} {r['H']:>3} {r['requests']:>4} {r['tokens']:>6} {r['gate']:>8} {r['timing']:>6} "
                   f"{r['sglang_ms']:8.3f} {r['kda_opt_ms']:8.3f} {r['speedup']:7.2f} {str(r['taken']):>5} "
-                  f"{fkda if isinstance(fkda, str) else f'{fkda:8.3f}':>8} {r['max_rel_err']:8.2e} "
+                  f"{shown(r['sglang_flashkda_ms'], '8.3f'):>8} {shown(r['sglang_helion_ms'], '8.3f'):>8} "
+                  f"{shown(r['helion_max_rel_err'], '8.2e'):>8} {r['max_rel_err']:8.2e} "
                   f"{str(r['untouched_ok']):>9}  {r['sglang_kernel']}")
         host_time = sglang.host_rows()
         print("host ms per extend call: " + ", ".join(f"{n} {t:.4f}" for n, t in host_time.items()))

@@ -1,7 +1,8 @@
 """SGLang's KDA calls through kda_opt's kernel and SGLang's own (`--test sglang`, docs/BENCHMARKING.md):
 the calls SGLang's KDA backend makes (sglang 0.5.23, `kda_backend.py`), built here as it builds them,
-through kda_opt.sglang's KdaOptKDAKernel and SGLang's TritonKDAKernel (the oracle and the peer), and
-SGLang's FlashKDAKernel where flash_kda is importable.
+through kda_opt.sglang's KdaOptKDAKernel and SGLang's TritonKDAKernel (the oracle and the peer),
+SGLang's FlashKDAKernel where flash_kda is importable, and SGLang's HelionKDAKernel (its Helion prefill and
+packed decode, `--linear-attn-prefill-backend helion` / `-decode-backend helion`) where helion is.
 
     extend         requests packed along T (query_start_loc), raw q/k (L2 norm in kernel), raw gate with
                    A_log [1, 1, H, 1] = log U(1, 16) and dt_bias [H·K] ~ N(0, 1) (fast decay), β logits;
@@ -18,7 +19,9 @@ SGLang's FlashKDAKernel where flash_kda is importable.
                    token t > 0 from the state after a parent drawn among tokens 0 .. t − 1
 Kimi-Linear's calls take the softplus gate (no lower bound), K3's the safe gate (lower bound −5).
 Rows: `call, H, requests, tokens, gate, sglang_kernel, timing, sglang_ms, kda_opt_ms, speedup, taken,
-sglang_flashkda_ms, max_rel_err, untouched_ok` to <out-dir>/sglang_<gpu>.csv. sglang_kernel: the
+sglang_flashkda_ms, sglang_helion_ms, helion_max_rel_err, max_rel_err, untouched_ok` to
+<out-dir>/sglang_<gpu>.csv (helion_max_rel_err: SGLang's Helion kernel against its Triton kernel, as
+max_rel_err is kda_opt's). sglang_kernel: the
 TritonKDAKernel method and the kernel it ran on the row's call; timing: `eager` (extend: do_bench
 medians in turns, host included) or `graph` (decode and verify as servers run them: GRAPH_CALLS
 steps replayed from one CUDA graph, the L2 cache written between steps, common.graph_ms); taken:
@@ -47,7 +50,10 @@ ROWS = ([("extend", H, n, T, "softplus") for H in (32, 16, 8) for n, T in ((1, 2
         + [("tree_verify", H, 64, draft * 64, gate) for H, gate in ((32, "softplus"), (12, "safe"))
            for draft in (4, 8)])
 FIELDS = ["call", "H", "requests", "tokens", "gate", "sglang_kernel", "timing", "sglang_ms", "kda_opt_ms", "speedup",
-          "taken", "sglang_flashkda_ms", "max_rel_err", "untouched_ok"]
+          "taken", "sglang_flashkda_ms", "sglang_helion_ms", "helion_max_rel_err", "max_rel_err", "untouched_ok"]
+# The calls SGLang's HelionKDAKernel runs with Helion kernels of its own (its decode goes to its Triton
+# fallback).
+HELION_CALLS = ("extend", "packed_decode")
 GRAPH_CALLS = 10     # steps per CUDA graph in a decode or verify row's time
 # The TritonKDAKernel method SGLang's backend calls for each call, and the kernel it runs there.
 METHODS = {"extend": "extend", "decode": "decode", "packed_decode": "packed_decode", "verify": "target_verify",
@@ -178,6 +184,16 @@ def flashkda_kernel():
     return FlashKDAKernel()
 
 
+def helion_kernel(triton):
+    """SGLang's HelionKDAKernel over the TritonKDAKernel `triton` (its fallback) where helion is
+    importable, else None."""
+    import importlib.util
+    if importlib.util.find_spec("helion") is None:
+        return None
+    from sglang.srt.layers.attention.linear.kernels.kda_helion import HelionKDAKernel
+    return HelionKDAKernel(triton, enable_decode=True, enable_prefill=True)
+
+
 def kernels():
     """(kda_opt's kernel, SGLang's Triton kernel): KdaOptKDAKernel and the TritonKDAKernel it replaces."""
     from kda_opt.sglang import kernel_class
@@ -240,6 +256,7 @@ def sglang_rows(out_dir, warmup=25, rep=100, quiet=False):
     ours, triton = kernels()
     ours.decode_requests, ours.takes_verify, ours.takes_tree_verify = max(r[2] for r in ROWS), True, True
     flashkda = flashkda_kernel()
+    helion = helion_kernel(triton)
     rows = []
     label = lambda r: f"{r[0]} H={r[1]} N={r[2]} T={r[3]} {r[4]}"
     for name, H, requests, tokens, gate in progress(ROWS, label, quiet):
@@ -250,6 +267,10 @@ def sglang_rows(out_dir, warmup=25, rep=100, quiet=False):
         runs = {"kda_opt": timed(ours, call), "sglang": timed(triton, call)}
         if flashkda is not None and name == "extend" and gate == "safe":
             runs["sglang_flashkda"] = timed(flashkda, call)
+        helion_err = NOT_RUN
+        if helion is not None and name in HELION_CALLS:
+            helion_err = compare(run(helion, call), theirs, call)[0]
+            runs["sglang_helion"] = timed(helion, call)
         if name == "extend":
             ms = medians_in_turns(runs, warmup, rep)
         else:
@@ -257,7 +278,9 @@ def sglang_rows(out_dir, warmup=25, rep=100, quiet=False):
         row = dict(call=name, H=H, requests=requests, tokens=tokens, gate=gate, sglang_kernel=kernel,
                    timing="eager" if name == "extend" else "graph", sglang_ms=ms["sglang"], kda_opt_ms=ms["kda_opt"],
                    speedup=ms["sglang"] / ms["kda_opt"], taken=taken(call),
-                   sglang_flashkda_ms=ms.get("sglang_flashkda", NOT_RUN), max_rel_err=err, untouched_ok=same)
+                   sglang_flashkda_ms=ms.get("sglang_flashkda", NOT_RUN),
+                   sglang_helion_ms=ms.get("sglang_helion", NOT_RUN), helion_max_rel_err=helion_err, max_rel_err=err,
+                   untouched_ok=same)
         show(row)
         rows.append(row)
     write_rows(rows, out_dir, "sglang", FIELDS)
