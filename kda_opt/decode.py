@@ -246,9 +246,9 @@ def decode(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial
            parents=None, *, kernels: Kernels | None = None):
     """o [B, T, HV, V] (into `out` if given), the states read from initial_state and written into
     final_state as the plan says (module docstring; with Write.BUFFER final_state is the buffer
-    [rows, S, HV, ·, ·] and buffer_rows [N] its rows, parents [N, P] each token's parent). Inputs validated by kda_opt/plan's
-    make_decode_plan (or make_plan, for a packed prefill's sequences of one token: plan.single);
-    their last dimension dense. has_initial_state: [N] bool, zeros where false (kda_forward's)."""
+    [rows, S, HV, ·, ·], buffer_rows [N] its rows and parents [N, P], where given, each token's parent).
+    Inputs validated by kda_opt/plan's make_decode_plan (or make_plan, for a packed prefill's sequences
+    of one token: plan.single); their last dimension dense. has_initial_state: [N] bool, zeros where false (kda_forward's)."""
     o = v.new_empty(v.shape) if out is None else out      # dense: token row r at r · stride(1)
     stand_in = q                       # a pointer for absent arrays, never dereferenced
     # One stride() per tensor (each stride(d) call costs more than the whole tuple).

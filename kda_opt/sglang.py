@@ -57,7 +57,7 @@ def kernel_class():
     class KdaOptKDAKernel(TritonKDAKernel):
         """SGLang's KDA kernel on kda_opt: extend through kda_forward; decode (steps of up to
         `decode_requests` requests), packed decode (fp32 pools), chain verify (`takes_verify`, on by
-        default) and tree verify (`takes_tree_verify`, off until measured) through kda_decode, each
+        default) and tree verify (`takes_tree_verify`, off: slower at H 32) through kda_decode, each
         taken only where it measured at least SGLang's own kernel (docs/USAGE.md, "SGLang"); every
         other call, and every call off Hopper or with head dims other than 64 and 128, through
         SGLang's Triton kernel."""

@@ -1,8 +1,8 @@
 """SGLang's KDA calls through kda_opt's kernel and SGLang's own (`--test sglang`, docs/BENCHMARKING.md):
 the calls SGLang's KDA backend makes (sglang 0.5.23, `kda_backend.py`), built here as it builds them,
 through kda_opt.sglang's KdaOptKDAKernel and SGLang's TritonKDAKernel (the oracle and the peer),
-SGLang's FlashKDAKernel where flash_kda is importable, and SGLang's HelionKDAKernel (its Helion prefill and
-packed decode, `--linear-attn-prefill-backend helion` / `-decode-backend helion`) where helion is.
+SGLang's FlashKDAKernel where flash_kda is importable, and SGLang's HelionKDAKernel (its Helion prefill,
+packed decode and verify, `--linear-attn-{prefill,decode,verify}-backend helion`) where helion is.
 
     extend         requests packed along T (query_start_loc), raw q/k (L2 norm in kernel), raw gate with
                    A_log [1, 1, H, 1] = log U(1, 16) and dt_bias [H·K] ~ N(0, 1) (fast decay), β logits;
@@ -53,7 +53,7 @@ FIELDS = ["call", "H", "requests", "tokens", "gate", "sglang_kernel", "timing", 
           "taken", "sglang_flashkda_ms", "sglang_helion_ms", "helion_max_rel_err", "max_rel_err", "untouched_ok"]
 # The calls SGLang's HelionKDAKernel runs with Helion kernels of its own (its decode goes to its Triton
 # fallback).
-HELION_CALLS = ("extend", "packed_decode")
+HELION_CALLS = ("extend", "packed_decode", "verify", "tree_verify")
 GRAPH_CALLS = 10     # steps per CUDA graph in a decode or verify row's time
 # The TritonKDAKernel method SGLang's backend calls for each call, and the kernel it runs there.
 METHODS = {"extend": "extend", "decode": "decode", "packed_decode": "packed_decode", "verify": "target_verify",
@@ -236,11 +236,11 @@ def timed(kernel, call: dict):
 
 def run_in_place(kernel, name: str, args: dict):
     """`kernel`'s method for the call `name` on `args` (step's, without `call`), as SGLang's backend
-    calls it: the tensors positionally, the rest by keyword."""
+    calls it: verify by keyword, the others' tensors positionally and the rest by keyword."""
     a = dict(args)
     if name in VERIFY:
-        return kernel.target_verify(a.pop("A_log"), a.pop("dt_bias"), a.pop("q"), a.pop("k"), a.pop("v"),
-                                    a.pop("a"), a.pop("beta"), **a)
+        a["b"] = a.pop("beta")
+        return kernel.target_verify(**a)
     if name == "packed_decode":
         return kernel.packed_decode(**a)
     gate = a.pop("g" if name == "extend" else "a")
