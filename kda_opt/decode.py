@@ -92,13 +92,20 @@ def decode_kernel(
     if READ == READ_SLOT:
         row = _rows(_slot(indices, i_n, column, reads, slots, pad_slot, S_IDX, PAD), K, BV)
         b_s = tl.load(s_in + row * S_IN + o_s, mask=row >= 0, other=0.0).to(tl.float32)
+    # The request's buffer row, read once (−1: not written); with TREE, token t + 1's parent is loaded
+    # while token t runs, so that only the barrier and the parent's state stand before each token.
+    buffer_row = i_n * 0 - 1
+    if WRITE == WRITE_BUFFER:
+        buffer_row = _slot(buffer_rows, i_n, 0, live, buffer_slots, pad_slot, 1, False)
+    next_parent = i_n * 0 - 1          # token 0's: never read
     for t in range(T):
         r = bos + t
         if TREE:
-            parent = tl.load(parents + i_n * S_PAR + t, mask=live & (t > 0) & (t < parent_columns), other=-1)
-            parent = parent.to(tl.int64)
-            written = live & (parent >= 0) & (parent < t) & (parent < COLUMNS)
-            row = _rows(_slot(buffer_rows, i_n, 0, written, buffer_slots, pad_slot, 1, False), K, BV)
+            parent = next_parent
+            next_parent = tl.load(parents + i_n * S_PAR + t + 1, mask=live & (t + 1 < T) & (t + 1 < parent_columns),
+                                  other=-1).to(tl.int64)
+            written = (parent >= 0) & (parent < t) & (parent < COLUMNS)
+            row = _rows(tl.where(written, buffer_row, -1), K, BV)
             tl.debug_barrier()      # the parent's state, stored by this program, read back by any thread
             b_p = tl.load(s_out + row * S_OUT + parent * (HV * K * V) + o_s, mask=row >= 0, other=0.0)
             b_s = tl.where(row >= 0, b_p.to(tl.float32), b_s)
@@ -114,7 +121,7 @@ def decode_kernel(
             row = _rows(_slot(indices, i_n, t, live & (t < COLUMNS), slots, pad_slot, S_IDX, PAD), K, BV)
             tl.store(s_out + row * S_OUT + o_s, b_s.to(s_out.dtype.element_ty), mask=row >= 0)
         if WRITE == WRITE_BUFFER:
-            row = _rows(_slot(buffer_rows, i_n, 0, live & (t < COLUMNS), buffer_slots, pad_slot, 1, False), K, BV)
+            row = _rows(tl.where(t < COLUMNS, buffer_row, -1), K, BV)
             tl.store(s_out + row * S_OUT + t * (HV * K * V) + o_s, b_s.to(s_out.dtype.element_ty), mask=row >= 0)
     if WRITE == WRITE_ROW:
         row = _rows(tl.where(live, i_n, -1), K, BV)
