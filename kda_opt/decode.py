@@ -56,9 +56,9 @@ def decode_kernel(
     # indices[n, t] after each token t (speculative verify), or the buffer's row buffer_rows[n], its
     # state t, after each token t < COLUMNS (SGLang's verify: s_in the pool, only read); with TREE a
     # token t > 0 starts from the buffer's state after its parent token parents[n, t] where that is one
-    # of 0 .. t − 1 it wrote, else from the state after token t − 1. SINGLE: only
-    # the sequences of one token (kda_forward's, where a packed call leaves them to this kernel); a
-    # program of any other reads, computes and writes nothing.
+    # of 0 .. t − 1 it wrote, else from the state after token t − 1. SINGLE: only the sequences of one
+    # token (kda_forward's, where a packed call leaves them to this kernel); a program of any other
+    # reads, computes and writes nothing.
     if BLOCKS_FIRST:    # grid (V / BV, HV, N): a (request, head)'s V blocks are neighbouring programs
         i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     else:               # grid (N·HV, V / BV)
@@ -255,7 +255,8 @@ def decode(plan: DecodePlan, q, k, v, g, beta, A_log=None, dt_bias=None, initial
     final_state as the plan says (module docstring; with Write.BUFFER final_state is the buffer
     [rows, S, HV, ·, ·], buffer_rows [N] its rows and parents [N, P], where given, each token's parent).
     Inputs validated by kda_opt/plan's make_decode_plan (or make_plan, for a packed prefill's sequences
-    of one token: plan.single); their last dimension dense. has_initial_state: [N] bool, zeros where false (kda_forward's)."""
+    of one token: plan.single); their last dimension dense. has_initial_state: [N] bool, zeros where
+    false (kda_forward's)."""
     o = v.new_empty(v.shape) if out is None else out      # dense: token row r at r · stride(1)
     stand_in = q                       # a pointer for absent arrays, never dereferenced
     # One stride() per tensor (each stride(d) call costs more than the whole tuple).

@@ -227,7 +227,8 @@ def _starts(ssm_states, indices):
 def _decode(q, k, v, a, b, *, A_log, dt_bias, lower_bound, query_start_loc, pool, indices, **buffer):
     """kda_decode on SGLang's decode-style call (a: the gate [tokens, HV·K], b: β logits), the states
     read from `pool` by `indices` and written into it in place, or with `buffer` (kda_decode's
-    intermediate_states_buffer and intermediate_state_indices) into that: o [1, tokens, HV, V]."""
+    intermediate_states_buffer, intermediate_state_indices and retrieve_parent_token) into that:
+    o [1, tokens, HV, V]."""
     o, _ = kda_decode(q, k, v, a.reshape(v.shape[:-1] + (q.shape[-1],)), b, scale=None, initial_state=pool,
                       use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                       **_gate(A_log, dt_bias, lower_bound), state_v_first=True, cu_seqlens=query_start_loc,

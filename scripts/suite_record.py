@@ -71,8 +71,9 @@ def part_files(part: str, files, seconds_lines, record, tree) -> list[str]:
     i, n = (int(x) for x in part.split("/"))
     if not 1 <= i <= n:
         raise ValueError(f"PART={part}: want i/n with 1 <= i <= n")
-    if i == n and covered(record, tree):
-        return [f for f in files if f not in covered(record, tree)]
+    done = covered(record, tree)
+    if i == n and done:
+        return [f for f in files if f not in done]
     return bins(files, seconds_lines, n)[i - 1]
 
 
@@ -101,6 +102,12 @@ def results(junit, files) -> tuple[dict[str, dict[str, int]], list[str], dict[st
         if kind == "failed":
             failing.append(test_id)
     return counts, failing, seconds
+
+
+def read_run(junit, files, status) -> tuple:
+    """One run's (counts per file, failing test ids, each test's seconds, whether it was stopped: an
+    interrupt's exit status, or no JUnit XML)."""
+    return (*results(junit, files), status in INTERRUPTED or not os.path.exists(junit))
 
 
 def merge_suite(record, tree, run_files, counts, failing, seconds_taken, status, interrupted, all_files):
@@ -154,11 +161,10 @@ def merge_sanitizer(counts, failing, seconds_taken, status, interrupted):
     return lines + [("failed_test", f"[sanitizer] {t}") for t in failing]
 
 
-def record_after(record, mode, tree, gpu, versions, run_files, junit, seconds_taken, status, all_files):
-    """The whole record after one run of `mode`: this run's lines, the other mode's kept where the record
-    is of the same tree, else marked not run (-)."""
-    counts, failing, _ = results(junit, run_files)
-    interrupted = status in INTERRUPTED or not os.path.exists(junit)
+def record_after(record, mode, tree, gpu, versions, run_files, run, seconds_taken, status, all_files):
+    """The whole record after one run of `mode` (read_run's): this run's lines, the other mode's kept
+    where the record is of the same tree, else marked not run (-)."""
+    counts, failing, _, interrupted = run
     same = dict(record).get("tree") == tree
     if mode == "suite":
         own = merge_suite(record, tree, run_files, counts, failing, seconds_taken, status, interrupted, all_files)
@@ -218,12 +224,12 @@ def main(argv):
     mode, tree, seconds_taken, status, junit, *run_files = argv[1:]
     run_files = run_files or test_files()
     status = int(status)
+    run = read_run(junit, run_files, status)
     record = record_after(read(path), mode, tree, gpu, f"{torch.__version__} {triton.__version__} {tile}",
-                          run_files, junit, int(seconds_taken), status, test_files())
+                          run_files, run, int(seconds_taken), status, test_files())
     open(path, "w").write("".join(f"{k} {v}\n" for k, v in record))
     if mode == "suite":
-        interrupted = status in INTERRUPTED or not os.path.exists(junit)
-        lines = order_after(order, run_files, results(junit, run_files)[2], interrupted)
+        lines = order_after(order, run_files, run[2], run[3])
         open(SECONDS_FILE, "w").write("\n".join(header + [f"{s} {t}" for s, t in lines]) + "\n")
     print(f"suite_record.py: {path}")
     print(open(path).read(), end="")
