@@ -93,27 +93,31 @@ def decode_kernel(
         row = _rows(_slot(indices, i_n, column, reads, slots, pad_slot, S_IDX, PAD), K, BV)
         b_s = tl.load(s_in + row * S_IN + o_s, mask=row >= 0, other=0.0).to(tl.float32)
     # The request's buffer row, read once (−1: not written); with TREE, token t + 1's parent is loaded
-    # while token t runs, so that only the barrier and the parent's state stand before each token.
+    # while token t runs, and token t's vectors before its parent's state, so that only the barrier and
+    # that state stand before each token. An fp32 buffer's state after token t − 1 is the one in
+    # registers, bit for bit: a parent t − 1 is not read back from it.
     buffer_row = i_n * 0 - 1
     if WRITE == WRITE_BUFFER:
         buffer_row = _slot(buffer_rows, i_n, 0, live, buffer_slots, pad_slot, 1, False)
     next_parent = i_n * 0 - 1          # token 0's: never read
     for t in range(T):
         r = bos + t
+        b_q, b_k, b_d, b_beta = _token(q, k, g, beta, A_log, dt_bias, r, i_h, i_hv, scale, lower_bound,
+                                       SQT, SQH, SKT, SKH, SGT, SGH, SBT, SBH, K, MODE, HAS_A, HAS_BIAS, L2NORM,
+                                       BETA_SIGMOID)
+        b_v = tl.load(v + r * SVT + i_hv * SVH + o_v).to(tl.float32)
         if TREE:
             parent = next_parent
             next_parent = tl.load(parents + i_n * S_PAR + t + 1, mask=live & (t + 1 < T) & (t + 1 < parent_columns),
                                   other=-1).to(tl.int64)
-            written = (parent >= 0) & (parent < t) & (parent < COLUMNS)
-            row = _rows(tl.where(written, buffer_row, -1), K, BV)
-            tl.debug_barrier()      # the parent's state, stored by this program, read back by any thread
-            b_p = tl.load(s_out + row * S_OUT + parent * (HV * K * V) + o_s, mask=row >= 0, other=0.0)
-            b_s = tl.where(row >= 0, b_p.to(tl.float32), b_s)
-        b_q, b_k, b_d, b_beta = _token(q, k, g, beta, A_log, dt_bias, r, i_h, i_hv, scale, lower_bound,
-                                       SQT, SQH, SKT, SKH, SGT, SGH, SBT, SBH, K, MODE, HAS_A, HAS_BIAS, L2NORM,
-                                       BETA_SIGMOID)
+            reload = (buffer_row >= 0) & (parent >= 0) & (parent < t) & (parent < COLUMNS)
+            if s_out.dtype.element_ty == tl.float32:
+                reload = reload & (parent != t - 1)
+            if reload:
+                tl.debug_barrier()      # the parent's state, stored by this program, read back by any thread
+                b_s = tl.load(s_out + buffer_row * S_OUT + parent * (HV * K * V) + o_s).to(tl.float32)
         b_s *= b_d[:, None]
-        b_u = (tl.load(v + r * SVT + i_hv * SVH + o_v).to(tl.float32) - tl.sum(b_s * b_k[:, None], 0)) * b_beta
+        b_u = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
         b_s += b_k[:, None] * b_u[None, :]
         b_o = tl.sum(b_s * b_q[:, None], 0)
         tl.store(o + r * SOT + i_hv * SOH + o_v, b_o.to(o.dtype.element_ty))

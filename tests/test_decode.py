@@ -164,6 +164,11 @@ CASES = {
     "tree verify, fewer parents than tokens, softplus": dict(
         N=2, T=3, H=2, K=64, slots=3, indices=[1, 0], buffer_rows=[1, 0], steps=3, gate="softplus",
         parents=[[-1, 0], [0, 0]]),
+    # A 16-bit buffer's parent t − 1 is read back rounded, as SGLang's kernel reads it (fp16: the
+    # interpreter truncates bf16, the reference rounds).
+    "tree verify into an fp16 buffer, parents t - 1 among them": dict(
+        N=2, T=4, H=2, K=64, slots=3, indices=[1, 0], buffer_rows=[1, 0], steps=4, pool_dtype=torch.float16,
+        parents=[[-1, 0, 1, 2], [-1, 0, 0, 2]]),
 }
 
 
