@@ -56,15 +56,15 @@ def kernel_class():
 
     class KdaOptKDAKernel(TritonKDAKernel):
         """SGLang's KDA kernel on kda_opt: extend through kda_forward; decode (steps of up to
-        `decode_requests` requests), packed decode (fp32 pools), chain verify (`takes_verify`, on by
-        default) and tree verify (`takes_tree_verify`, off: slower at H 32) through kda_decode, each
-        taken only where it measured at least SGLang's own kernel (docs/USAGE.md, "SGLang"); every
-        other call, and every call off Hopper or with head dims other than 64 and 128, through
-        SGLang's Triton kernel."""
+        `decode_requests` requests), packed decode (fp32 pools), chain and tree verify
+        (`takes_verify`, `takes_tree_verify`, both on by default) through kda_decode, each taken
+        only where it measured at least SGLang's own kernel (docs/USAGE.md, "SGLang"); every other
+        call, and every call off Hopper or with head dims other than 64 and 128, through SGLang's
+        Triton kernel."""
 
         decode_requests = DECODE_REQUESTS
         takes_verify = True
-        takes_tree_verify = False
+        takes_tree_verify = True
 
         def extend(self, q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, A_log=None,
                    dt_bias=None, lower_bound=None, beta_is_raw=False, return_intermediate_states=False,

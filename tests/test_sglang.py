@@ -231,8 +231,8 @@ def test_taken_names_the_calls_the_plugin_runs(stood_in, sglang_own):
     assert calls.taken(packed) and not calls.taken({**packed, "ssm_states": packed["ssm_states"].bfloat16()})
     verify, tree = (calls.step(name, 2, [1] * 3, "safe", device="cpu") for name in ("verify", "tree_verify"))
     ring = {**verify, "cache_ring": True}
-    assert calls.taken(verify) and not calls.taken(tree) and not calls.taken(ring)
-    assert [s[0] for s in sglang_own] == ["decode", "packed_decode", "target_verify", "target_verify"]
+    assert calls.taken(verify) and calls.taken(tree) and not calls.taken(ring)
+    assert [s[0] for s in sglang_own] == ["decode", "packed_decode", "target_verify"]
 
 
 def test_tree_verify_passes_its_parents(stood_in, sglang_own):
@@ -240,7 +240,6 @@ def test_tree_verify_passes_its_parents(stood_in, sglang_own):
     request's parents row; the ReplaySSM ring stays SGLang's."""
     call = calls.step("tree_verify", 2, [1] * 3, "safe", device="cpu")
     kernel = plugin.kernel_class()()
-    kernel.takes_tree_verify = True
     args = calls.arguments(call)
     calls.run_in_place(kernel, "verify", args)
     kw = stood_in["decode"][1]
@@ -439,7 +438,6 @@ def test_verify_matches_sglang(name, gate):
     """Chain and tree verify through kda_decode: each draft token's state into the buffer, the pool
     only read (bit for bit)."""
     ours, triton = calls.kernels()
-    ours.takes_tree_verify = True
     call = calls.step(name, 12, [1] * 8, gate)
     (o, pool, buf), sglangs = calls.calls_to(type(triton), "target_verify", lambda: calls.run(ours, call))
     assert not sglangs
