@@ -213,6 +213,26 @@ def test_model_gates_option(monkeypatch, capsys):
     assert e.value.code == 2
 
 
+def test_sglang_calls_run_in_parts(tmp_path):
+    """--sglang-calls: a run of some calls keeps the CSV's rows of the others, in ROWS' order; an
+    unknown call is refused."""
+    from kda_bench import sglang
+    assert bench.parse_args([]).sglang_calls.split(",") == list(sglang.METHODS)
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--sglang-calls", "extend,prefill"])
+    assert e.value.code == 2
+    row = lambda r, ms: dict(zip(("call", "H", "requests", "tokens", "gate"), r), sglang_ms=ms, taken=True)
+    first, last = sglang.ROWS[0], sglang.ROWS[-1]
+    assert first[0] == "extend" and last[0] == "tree_verify"
+    path = tmp_path / "sglang.csv"
+    common.write_table([row(first, 1.5), row(last, 0.25)], path, ["call", "H", "requests", "tokens", "gate",
+                                                                  "sglang_ms", "taken"])
+    kept = sglang.earlier_rows(path, ("tree_verify",))
+    assert [r["sglang_ms"] for r in kept] == [1.5]
+    assert [r["call"] for r in sglang.in_rows_order([row(last, 0.2), *kept])] == ["extend", "tree_verify"]
+    assert sglang.earlier_rows(tmp_path / "absent.csv", ("extend",)) == []
+
+
 def test_systems_switch_flas_dispatch_and_restore_it(monkeypatch):
     monkeypatch.setenv("FLA_KDA_OPT", "7")
     for system, value in (("kda_opt", "1"), ("fla", "0")):

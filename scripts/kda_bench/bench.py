@@ -16,8 +16,9 @@ Entry point: `python scripts/test.py ...`.
                       with kda_opt registered (kda_bench/model) → <out-dir>/model_<gpu>.csv/.png
     --test cp         long sequences with few heads: kda_forward, its sequential path, FLA and FlashKDA; under
                       torchrun, one sequence split over the GPUs (kda_bench/cp) → <out-dir>/cp_<gpu>.csv
-    --test sglang     SGLang's KDA calls (extend, decode, chain verify) through kda_opt's SGLang kernel and
-                      SGLang's own Triton and FlashKDA kernels (kda_bench/sglang) → <out-dir>/sglang_<gpu>.csv
+    --test sglang     SGLang's KDA calls (extend, decode, packed decode, chain and tree verify; --sglang-calls
+                      picks some) through kda_opt's SGLang kernel and SGLang's own Triton, FlashKDA and Helion
+                      kernels (kda_bench/sglang) → <out-dir>/sglang_<gpu>.csv
 What the modes share (the case, the timings, the rows printed and written): kda_bench/common. --sweep and
 --test host, decode, model and cp draw a progress bar on stderr (tqdm; --quiet: none).
 Exit code: 0 when every check passes, 1 when a correctness check fails (--test model: tokens that
@@ -134,6 +135,10 @@ def parse_args(argv=None):
     p.add_argument("--model-gates", default="softplus,safe",
                    help="--test model: the gates of the model's layer it runs, in order (softplus, safe), so "
                         "that a time-limited run can take one at a time")
+    p.add_argument("--sglang-calls", default=",".join(sglang.METHODS),
+                   help="--test sglang: the calls whose rows it runs (extend, decode, packed_decode, verify, "
+                        "tree_verify); the CSV's rows of the others are kept, so that a time-limited run can "
+                        "take them in parts")
     p.add_argument("--out-dir", default="profiles", help="where --sweep and --test host write their CSV (and PNG)")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar (--sweep and --test host, decode, model and cp draw one on stderr)")
@@ -148,6 +153,8 @@ def parse_args(argv=None):
         p.error(f"--varlen needs --num-seqs ≥ 1 and --seq-len ≥ {MIN_SEQ_LEN}")
     if not set(args.model_gates.split(",")) <= {"softplus", "safe"}:
         p.error(f"--model-gates: softplus and/or safe, got {args.model_gates}")
+    if not set(args.sglang_calls.split(",")) <= set(sglang.METHODS):
+        p.error(f"--sglang-calls: among {', '.join(sglang.METHODS)}, got {args.sglang_calls}")
     args.sweep_gates = args.sweep_gates or ("safe" if args.config == "flashkda" else "safe,softplus")
     if args.config == "flashkda":
         unfit = [flag for flag, bad in (("--no-gate-in-kernel", not args.gate_in_kernel),
@@ -559,7 +566,8 @@ def main(argv=None) -> int:
     if args.test == "sglang":
         if importlib.util.find_spec("sglang") is None:
             return refuse("--test sglang needs SGLang (pip install sglang)")
-        rows = sglang.sglang_rows(args.out_dir, args.warmup, args.rep, args.quiet)
+        rows = sglang.sglang_rows(args.out_dir, args.warmup, args.rep, args.quiet,
+                                  calls=tuple(args.sglang_calls.split(",")))
         print(f"\n{'call':>13} {'H':>3} {'N':>4} {'tokens':>6} {'gate':>8} {'timing':>6} {'SGLang':>8} {'ours':>8} "
               f"{'speedup':>7} {'taken':>5} {'FlashKDA':>8} {'Helion':>8} {'its err':>8} {'max err':>8} untouched  "
               f"SGLang's kernel")

@@ -30,11 +30,12 @@ max_rel_err: kda_opt against SGLang's kernel, the largest of o's (a decode's liv
 named pool (or buffer) rows' relative errors; untouched_ok: every pool row not named left bit for bit
 as it was (both kernels).
 """
+import os
 from unittest import mock
 
 import torch
 
-from .common import NOT_RUN, graph_ms, host_ms, medians_in_turns, progress, show, write_rows
+from .common import NOT_RUN, gpu_tag, graph_ms, host_ms, medians_in_turns, progress, read_csv, show, write_rows
 
 K = 128
 GATES = {"softplus": None, "safe": -5.0}
@@ -249,17 +250,20 @@ def run_in_place(kernel, name: str, args: dict):
 
 
 @torch.inference_mode()
-def sglang_rows(out_dir, warmup=25, rep=100, quiet=False):
-    """Measures every row of ROWS (a progress bar unless quiet), writes <out_dir>/sglang_<gpu>.csv and
-    returns the rows. kda_opt's kernel runs every call itself here, whatever it takes by default
-    (`taken`), so that the rows say where it should."""
+def sglang_rows(out_dir, warmup=25, rep=100, quiet=False, calls=tuple(METHODS)):
+    """Measures the rows of ROWS whose call is among `calls` (a progress bar unless quiet), writes them
+    to <out_dir>/sglang_<gpu>.csv row by row beside that CSV's rows of the other calls (so that a run
+    cut short keeps what it measured, and the calls can be run in parts), and returns them. kda_opt's
+    kernel runs every call itself here, whatever it takes by default (`taken`), so that the rows say
+    where it should."""
+    earlier = earlier_rows(os.path.join(out_dir, f"sglang_{gpu_tag()}.csv"), calls)
     ours, triton = kernels()
     ours.decode_requests, ours.takes_verify, ours.takes_tree_verify = max(r[2] for r in ROWS), True, True
     flashkda = flashkda_kernel()
     helion = helion_kernel(triton)
     rows = []
     label = lambda r: f"{r[0]} H={r[1]} N={r[2]} T={r[3]} {r[4]}"
-    for name, H, requests, tokens, gate in progress(ROWS, label, quiet):
+    for name, H, requests, tokens, gate in progress([r for r in ROWS if r[0] in calls], label, quiet):
         call = step(name, H, lengths(requests, tokens) if name == "extend" else [1] * requests, gate,
                     draft=tokens // requests)
         theirs, kernel = sglang_run(triton, call)
@@ -283,8 +287,18 @@ def sglang_rows(out_dir, warmup=25, rep=100, quiet=False):
                    untouched_ok=same)
         show(row)
         rows.append(row)
-    write_rows(rows, out_dir, "sglang", FIELDS)
+        write_rows(in_rows_order(earlier + rows), out_dir, "sglang", FIELDS)
     return rows
+
+
+def earlier_rows(path, calls):
+    """The rows of the CSV at `path` (if any) whose call is not among `calls`: a run of those keeps them."""
+    return [r for r in read_csv(path) if r["call"] not in calls]
+
+
+def in_rows_order(rows):
+    """rows (the CSV's, read back, and measured ones) in ROWS' order."""
+    return sorted(rows, key=lambda r: ROWS.index((r["call"], r["H"], r["requests"], r["tokens"], r["gate"])))
 
 
 def host_rows(quiet=False):
