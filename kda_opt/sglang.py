@@ -56,7 +56,8 @@ def kernel_class():
 
     class KdaOptKDAKernel(TritonKDAKernel):
         """SGLang's KDA kernel on kda_opt: extend through kda_forward; decode (steps of up to
-        `decode_requests` requests), packed decode (fp32 pools), chain and tree verify
+        `decode_requests` requests), packed decode (fp32 pools; K3's safe gate too,
+        `supports_packed_decode_safe_gate`, which sends it there), chain and tree verify
         (`takes_verify`, `takes_tree_verify`, both on by default) through kda_decode, each taken
         only where it measured at least SGLang's own kernel (docs/USAGE.md, "SGLang"); every other
         call, and every call off Hopper or with head dims other than 64 and 128, through SGLang's
@@ -65,6 +66,7 @@ def kernel_class():
         decode_requests = DECODE_REQUESTS
         takes_verify = True
         takes_tree_verify = True
+        supports_packed_decode_safe_gate = True
 
         def extend(self, q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, A_log=None,
                    dt_bias=None, lower_bound=None, beta_is_raw=False, return_intermediate_states=False,
@@ -93,15 +95,15 @@ def kernel_class():
         def packed_decode(self, mixed_qkv, a, b, *, A_log, dt_bias, scale, ssm_states, cache_indices, num_v_heads,
                           head_v_dim, lower_bound=None, **kwargs):
             # The ReplaySSM ring and the 16-bit pools (not measured) are SGLang's kernel's.
-            if not (ssm_states.dtype == torch.float32 and lower_bound is None
-                    and all(kwargs.get(n) is None for n in REPLAYSSM)
+            if not (ssm_states.dtype == torch.float32 and all(kwargs.get(n) is None for n in REPLAYSSM)
                     and takes(mixed_qkv, ssm_states, ssm_states.shape[-1], head_v_dim)):
                 return super().packed_decode(mixed_qkv, a, b, A_log=A_log, dt_bias=dt_bias, scale=scale,
                                              ssm_states=ssm_states, cache_indices=cache_indices,
                                              num_v_heads=num_v_heads, head_v_dim=head_v_dim, lower_bound=lower_bound,
                                              **kwargs)
             return packed_decode(mixed_qkv, a, b, A_log=A_log, dt_bias=dt_bias, scale=scale, ssm_states=ssm_states,
-                                 cache_indices=cache_indices, num_v_heads=num_v_heads, head_v_dim=head_v_dim)
+                                 cache_indices=cache_indices, num_v_heads=num_v_heads, head_v_dim=head_v_dim,
+                                 lower_bound=lower_bound)
 
         def target_verify(self, A_log, dt_bias, q, k, v, a, b, *, ssm_states, cache_indices, query_start_loc,
                           intermediate_states_buffer, intermediate_state_indices, cache_steps,
@@ -249,8 +251,10 @@ def decode(q, k, v, a, b, *, A_log, dt_bias, ssm_states, cache_indices, query_st
                    query_start_loc=query_start_loc, pool=ssm_states, indices=cache_indices)
 
 
-def packed_decode(mixed_qkv, a, b, *, A_log, dt_bias, scale, ssm_states, cache_indices, num_v_heads, head_v_dim):
-    """SGLang's packed decode (Kimi-Linear's on Hopper) through kda_decode: one token per request,
+def packed_decode(mixed_qkv, a, b, *, A_log, dt_bias, scale, ssm_states, cache_indices, num_v_heads, head_v_dim,
+                  lower_bound):
+    """SGLang's packed decode (Kimi-Linear's on Hopper, and K3's with the safe gate's lower_bound where
+    the kernel says supports_packed_decode_safe_gate) through kda_decode: one token per request,
     q, k, v read in place from the short convolution's output mixed_qkv [N, 2·H·K + HV·V] (batched
     views [N, 1, heads, K]), the gate a [N, HV·K] and β logits b [N, HV] (or their 3-d forms); each
     request's state read from and written to pool[cache_indices[n]] (−1: zeros, nothing written):
@@ -261,7 +265,7 @@ def packed_decode(mixed_qkv, a, b, *, A_log, dt_bias, scale, ssm_states, cache_i
         mixed_qkv.split([H * K, H * K, num_v_heads * head_v_dim], dim=-1), (K, K, head_v_dim)))
     o, _ = kda_decode(q, k, v, a.reshape(N, 1, num_v_heads, K), b.reshape(N, 1, num_v_heads), scale=scale,
                       initial_state=ssm_states, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                      **_gate(A_log, dt_bias, None), state_v_first=True, inplace_final_state=True,
+                      **_gate(A_log, dt_bias, lower_bound), state_v_first=True, inplace_final_state=True,
                       ssm_state_indices=cache_indices)
     return o.transpose(0, 1)
 

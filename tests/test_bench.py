@@ -233,6 +233,15 @@ def test_sglang_calls_run_in_parts(tmp_path):
     assert sglang.earlier_rows(tmp_path / "absent.csv", ("extend",)) == []
 
 
+def test_a_small_error_is_written_as_itself(tmp_path):
+    """A float below 1e-3 keeps 3 significant digits in a CSV (4 decimals would write 2.4e-5 as 0.0000),
+    and reads back as the number it was."""
+    path = tmp_path / "errors.csv"
+    common.write_table([dict(a=2.4e-5, b=0.0, c=1.23456, d="n/a", e=-3e-7, f=7)], path, list("abcdef"))
+    assert path.read_text().splitlines()[1] == "2.40e-05,0.0000,1.2346,n/a,-3.00e-07,7"
+    assert common.read_csv(path) == [dict(a=2.4e-5, b=0.0, c=1.2346, d="n/a", e=-3e-7, f=7)]
+
+
 def test_systems_switch_flas_dispatch_and_restore_it(monkeypatch):
     monkeypatch.setenv("FLA_KDA_OPT", "7")
     for system, value in (("kda_opt", "1"), ("fla", "0")):

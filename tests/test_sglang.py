@@ -190,19 +190,20 @@ def test_decode_taken_only_where_measured(stood_in, sglang_own):
     assert kw["use_beta_sigmoid_in_kernel"] and kw["lower_bound"] == -5.0
 
 
-def packed_call(N, H, pool_dtype=torch.float32, device="cpu"):
+def packed_call(N, H, pool_dtype=torch.float32, device="cpu", gate="softplus"):
     """A decode step() of N requests at H heads and the same step as SGLang's packed-decode keywords
     (q, k, v in the one mixed_qkv [N, 3·H·K] they are views of), its pool in pool_dtype."""
-    call = calls.step("decode", H, [1] * N, "softplus", device=device)
-    packed = calls.arguments(calls.step("packed_decode", H, [1] * N, "softplus", device=device))
+    call = calls.step("decode", H, [1] * N, gate, device=device)
+    packed = calls.arguments(calls.step("packed_decode", H, [1] * N, gate, device=device))
     packed["ssm_states"] = packed["ssm_states"].to(pool_dtype)
     return call, packed
 
 
 def test_packed_decode_maps_sglangs_call_onto_kda_decode(stood_in, sglang_own):
     """Packed decode on an fp32 pool through kda_decode, q, k, v views of mixed_qkv read in place
-    ([N, 1, heads, K], one token per request), o as SGLang returns it ([1, N, HV, V]); a 16-bit pool,
-    a lower bound and the ReplaySSM ring are SGLang's."""
+    ([N, 1, heads, K], one token per request), o as SGLang returns it ([1, N, HV, V]), K3's lower bound
+    passed on (supports_packed_decode_safe_gate sends K3's decode here); a 16-bit pool and the ReplaySSM
+    ring are SGLang's."""
     kernel = plugin.kernel_class()()
     call, packed = packed_call(5, 2)
     o = kernel.packed_decode(**packed)
@@ -216,10 +217,13 @@ def test_packed_decode_maps_sglangs_call_onto_kda_decode(stood_in, sglang_own):
     assert kw["ssm_state_indices"] is packed["cache_indices"] and kw["initial_state"] is packed["ssm_states"]
     assert kw["inplace_final_state"] and kw["state_v_first"] and kw["use_qk_l2norm_in_kernel"]
     assert kw["use_beta_sigmoid_in_kernel"] and kw["lower_bound"] is None and kw["scale"] == calls.K ** -0.5
-    for changes in (dict(ssm_states=packed["ssm_states"].bfloat16()), dict(lower_bound=-5.0),
+    assert kernel.supports_packed_decode_safe_gate
+    kernel.packed_decode(**{**packed, "lower_bound": -5.0})
+    assert not sglang_own and stood_in["decode"][1]["lower_bound"] == -5.0
+    for changes in (dict(ssm_states=packed["ssm_states"].bfloat16()),
                     dict(replayssm_d=1, replayssm_k=1, replayssm_g=1, replayssm_write_pos=1)):
         assert kernel.packed_decode(**{**packed, **changes}) == "sglang"
-    assert [s[0] for s in sglang_own] == ["packed_decode"] * 3
+    assert [s[0] for s in sglang_own] == ["packed_decode"] * 2
 
 
 def test_taken_names_the_calls_the_plugin_runs(stood_in, sglang_own):
@@ -229,6 +233,7 @@ def test_taken_names_the_calls_the_plugin_runs(stood_in, sglang_own):
     assert calls.taken(small) and not calls.taken(large)
     packed = calls.step("packed_decode", 2, [1] * 5, "softplus", device="cpu")
     assert calls.taken(packed) and not calls.taken({**packed, "ssm_states": packed["ssm_states"].bfloat16()})
+    assert calls.taken(calls.step("packed_decode", 2, [1] * 5, "safe", device="cpu"))
     verify, tree = (calls.step(name, 2, [1] * 3, "safe", device="cpu") for name in ("verify", "tree_verify"))
     ring = {**verify, "cache_ring": True}
     assert calls.taken(verify) and calls.taken(tree) and not calls.taken(ring)
@@ -381,16 +386,18 @@ def test_sglang_calls_match_the_recurrence_and_sglang(gate, H, name):
 
 
 @gpu
+@pytest.mark.parametrize("gate", ["softplus", "safe"])
 @pytest.mark.parametrize("N,H,kernel", [(6, 32, calls.SGLANG_KERNELS["packed_decode"]), (48, 8, calls.CUDA_PACKED)])
-def test_packed_decode_matches_the_recurrence_and_sglangs(N, H, kernel):
-    """Kimi-Linear's packed decode (softplus, an fp32 pool, padding slots): o and the named pool rows
-    within FLA's bound of the float64 recurrence where SGLang's own packed decode's error sets it (its
-    Triton kernel below 8 requests, its CUDA kernel from 8) and where its split-call decode's does, bit
-    for bit the plugin's decode of the same step split into q, k, v, every other pool row untouched."""
+def test_packed_decode_matches_the_recurrence_and_sglangs(N, H, kernel, gate):
+    """Kimi-Linear's packed decode (softplus, an fp32 pool, padding slots) and K3's (safe): o and the
+    named pool rows within FLA's bound of the float64 recurrence where SGLang's own packed decode's
+    error sets it (its Triton kernel below 8 requests, its CUDA kernel from 8) and where its split-call
+    decode's does, bit for bit the plugin's decode of the same step split into q, k, v, every other
+    pool row untouched."""
     if kernel == calls.CUDA_PACKED:
         pytest.importorskip("tvm_ffi", reason="SGLang's CUDA packed decode builds through apache-tvm-ffi")
     ours, triton = calls.kernels()
-    call, packed = packed_call(N, H, device="cuda")
+    call, packed = packed_call(N, H, device="cuda", gate=gate)
     step = {"call": "packed_decode", **packed}
     (o, pool, _), (o_split, pool_split, _) = calls.run(ours, step), calls.run(ours, call)
     assert torch.equal(o, o_split) and torch.equal(pool, pool_split)

@@ -209,22 +209,33 @@ def write_rows(rows, out_dir, name, fields):
 
 def write_table(rows, path, fields, defaults=None):
     """rows as the CSV `path` with columns `fields` (a row's other keys left out, its missing ones from
-    `defaults`), floats to 4 decimals."""
+    `defaults`), floats to 4 decimals, or to 3 significant digits below 1e-3 (an error of 2.4e-5 is not
+    0.0000)."""
+    cell = lambda v: (v if not isinstance(v, float) else f"{v:.2e}" if 0 < abs(v) < 1e-3 else f"{v:.4f}")
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         for r in rows:
-            w.writerow({k: f"{v:.4f}" if isinstance(v, float) else v for k, v in {**(defaults or {}), **r}.items()})
+            w.writerow({k: cell(v) for k, v in {**(defaults or {}), **r}.items()})
 
 
 def read_csv(path):
     """Rows of an existing CSV (numbers parsed), or [] if there is none."""
     if not os.path.exists(path):
         return []
-    parse = lambda v: (v if not v.replace(".", "", 1).replace("-", "", 1).isdigit()
-                       else float(v) if "." in v else int(v))
     with open(path) as f:
-        return [{k: parse(v) for k, v in r.items()} for r in csv.DictReader(f)]
+        return [{k: _number(v) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+def _number(v: str):
+    """A CSV cell as written: an int, a float (2.5, -1e-05), or the text itself (True, n/a, nan)."""
+    for kind in (int, float):
+        try:
+            x = kind(v)
+        except ValueError:
+            continue
+        return x if x == x and abs(x) != float("inf") else v
+    return v
 
 
 def gpu_tag():

@@ -11,8 +11,9 @@ packed decode and verify, `--linear-attn-{prefill,decode,verify}-backend helion`
                    where asked
     decode         one token per request, a [N, H·K] gate, two padding requests (−1): K3's decode
     packed_decode  the same step with q, k, v still packed in the short convolution's output
-                   mixed_qkv [N, 3·H·K]: Kimi-Linear's decode on Hopper (SGLang's kernel runs its CUDA
-                   row-streaming kernel from 8 requests, its Triton one below)
+                   mixed_qkv [N, 3·H·K]: Kimi-Linear's decode on Hopper, and K3's where the kernel says
+                   supports_packed_decode_safe_gate (kda_opt's does; SGLang's runs its CUDA row-streaming
+                   kernel from 8 requests, its Triton one below)
     verify         chain verify: `draft` tokens per request, each token's state into
                    intermediate_states_buffer[request, t], the pool only read
     tree_verify    the same with a tree of draft tokens (EAGLE's topk > 1): retrieve_parent_token [N, draft],
@@ -41,12 +42,14 @@ K = 128
 GATES = {"softplus": None, "safe": -5.0}
 # (call, H, requests, tokens per step, gate): Kimi-Linear (softplus, 32 / 16 / 8 heads a GPU at TP 1 / 2 /
 # 4; its packed decode also at 4, TP 8) and K3 (safe, 24 / 12 heads at TP 4 / 8) at chunked-prefill sizes,
-# decode at 32 to 512 requests, chain verify of 2 and 4 draft tokens and tree verify of 4 and 8 at 64
-# requests.
+# decode at 32 to 512 requests (K3's split, as SGLang's own kernel takes it, and packed, where the plugin's
+# supports_packed_decode_safe_gate sends it), chain verify of 2 and 4 draft tokens and tree verify of 4 and
+# 8 at 64 requests.
 ROWS = ([("extend", H, n, T, "softplus") for H in (32, 16, 8) for n, T in ((1, 2048), (4, 8192), (8, 32768))]
         + [("extend", H, n, T, "safe") for H in (24, 12) for n, T in ((1, 2048), (4, 8192), (8, 32768))]
         + [("packed_decode", H, n, n, "softplus") for H in (32, 8, 4) for n in (32, 128, 512)]
         + [("decode", H, n, n, "safe") for H in (24, 12) for n in (32, 128, 512)]
+        + [("packed_decode", H, n, n, "safe") for H in (24, 12) for n in (32, 128, 512)]
         + [("verify", H, 64, draft * 64, gate) for H, gate in ((32, "softplus"), (12, "safe")) for draft in (2, 4)]
         + [("tree_verify", H, 64, draft * 64, gate) for H, gate in ((32, "softplus"), (12, "safe"))
            for draft in (4, 8)])
