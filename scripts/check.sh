@@ -19,6 +19,10 @@ print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-d
 # kernel imports are in the test extra. An SGLang already installed is left as it is.
 SGLANG=${SGLANG:-sglang==0.5.23}
 "$PY" -c 'import sglang' 2>/dev/null || "$PY" -m pip install -q --no-deps "$SGLANG"
+# vLLM for its plugin's tests (tests/test_vllm.py), the same way: its KDA functions are the oracle.
+VLLM=${VLLM:-vllm==0.33.0}
+"$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("vllm") is None)' \
+  || "$PY" -m pip install -q --no-deps "$VLLM"
 "$PY" -c 'import torch, triton
 print(f"check.sh: torch {torch.__version__} (CUDA build: {torch.backends.cuda.is_built()}, GPU: "
       f"{torch.cuda.is_available()}), triton {triton.__version__}")'

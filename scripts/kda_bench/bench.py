@@ -19,6 +19,8 @@ Entry point: `python scripts/test.py ...`.
     --test sglang     SGLang's KDA calls (extend, decode, packed decode, chain and tree verify; --sglang-calls
                       picks some) through kda_opt's SGLang kernel and SGLang's own Triton, FlashKDA and Helion
                       kernels (kda_bench/sglang) → <out-dir>/sglang_<gpu>.csv
+    --test vllm       vLLM's KDA calls (prefill, packed decode, speculative decode) through kda_opt's vLLM
+                      functions, vLLM's own and FlashKDA (kda_bench/vllm) → <out-dir>/vllm_<gpu>.csv
 What the modes share (the case, the timings, the rows printed and written): kda_bench/common. --sweep and
 --test host, decode, model and cp draw a progress bar on stderr (tqdm; --quiet: none).
 Exit code: 0 when every check passes, 1 when a correctness check fails (--test model: tokens that
@@ -36,7 +38,7 @@ import torch
 
 from kda_opt.reference import ERROR_FLOOR, error_bound, rel_err
 
-from . import cp, decode, host, model, peers, serving, sglang
+from . import cp, decode, host, model, peers, serving, sglang, vllm
 from .common import (CONFIGS, DTYPES, NOT_RUN, Case, echo, gpu_tag, medians_in_turns, progress, read_csv,
                      write_table)
 from .inputs import DECAYS
@@ -81,7 +83,7 @@ SERVING_STEPS = [((1300, 547, 2048, 963, 271, 3063), 32), (("drawn", 1024, 1), 3
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="scripts/test.py", description=__doc__.splitlines()[0])
-    p.add_argument("--test", choices=["naive", "fla", "benchmark", "all", "host", "cp", "decode", "model", "sglang"],
+    p.add_argument("--test", choices=["naive", "fla", "benchmark", "all", "host", "cp", "decode", "model", "sglang", "vllm"],
                    default="all")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=8192)
@@ -582,6 +584,11 @@ def main(argv=None) -> int:
         print("host ms per extend call: " + ", ".join(f"{n} {t:.4f}" for n, t in host_time.items()))
         # Two kernels each within the floor of the float64 truth differ by at most twice it.
         return 0 if all(r["untouched_ok"] and r["max_rel_err"] <= 2 * ERROR_FLOOR for r in rows) else 1
+    if args.test == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            return refuse("--test vllm needs vLLM (pip install --no-deps vllm; docs/USAGE.md, \"vLLM\")")
+        rows = vllm.vllm_rows(args.out_dir, args.warmup, args.rep, args.quiet)
+        return 0 if all(r["max_rel_err"] <= 2 * ERROR_FLOOR for r in rows) else 1
     fla = peers.fla_chunk_kda()
     if fla is None and (args.sweep or args.test in ("fla", "benchmark", "all", "host", "cp", "decode", "model")):
         return refuse(f"--test {args.test} needs fla-core (pip install 'kda-opt[bench]')")
