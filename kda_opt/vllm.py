@@ -1,6 +1,7 @@
 """kda_opt as vLLM's KDA kernels (vllm 0.33): `register` is the `vllm.general_plugins` entry point
-(pyproject.toml). With VLLM_KDA_OPT=1 it replaces, as each module is imported, four functions both of
-vLLM's KDA layers call (Kimi-Linear's `KimiGatedDeltaNetAttention._forward`, K3's `KimiK3DeltaAttention._forward`):
+(pyproject.toml). With VLLM_KDA_OPT=1 it replaces, as each module is imported, four functions that
+vLLM's KDA layers call (Kimi-Linear's `KimiGatedDeltaNetAttention._forward` and K3's
+`KimiK3DeltaAttention._forward`):
 
     vllm.models.kimi_k3.nvidia.ops.third_party.kda (vLLM's copy of FLA, imported inside each forward):
         chunk_kda_with_fused_gate           prefill, after the short convolution       -> kda_forward
@@ -211,8 +212,9 @@ def spec_decode(vllm_own):
     ssm_state_indices[n, num_accepted_tokens[n] − 1] (column 0 without it) and its state after token t
     written to ssm_state_indices[n, t] ([N] indices: one token each, its state to ssm_state_indices[n])
     -> (o, in out where given; the pool). A padding request (slot 0 in every column, as vLLM's
-    metadata pads; a negative slot reads as 0) reads and writes no state; its rows of o, which vLLM discards (its kernel zeroes the first and leaves the others),
-    hold the recurrence from a zero state. fuse_gate picks vLLM's kernels for the same function."""
+    metadata pads; a negative slot is one too) reads and writes no state; its rows of o, which vLLM
+    discards (its kernel zeroes the first and leaves the others), hold the recurrence from a zero
+    state. fuse_gate picks vLLM's kernels for the same function."""
     def fused_recurrent_kda(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,
                             ssm_state_indices, num_accepted_tokens=None, out=None, fuse_gate=None):
         if not computes(q, initial_state, q.shape[-1], v.shape[-1]):
