@@ -120,8 +120,9 @@ def test_vllm_loads_the_plugin_from_its_entry_point():
     and, with the switch, vLLM's three KDA functions are kda_opt's once their module is imported (after
     the plugins, as in vLLM), and K3's layer module waits for its import (which needs K3's whole model,
     not installed here); without it nothing is replaced or waits."""
-    code = ("import sys\nfrom vllm.plugins import load_general_plugins; load_general_plugins()\n"
-            "from kda_bench.vllm import kernels; k = kernels()\n"
+    code = ("import sys\nfrom kda_bench.vllm import kernels, stand_in_compiled_ops; stand_in_compiled_ops()\n"
+            "from vllm.plugins import load_general_plugins; load_general_plugins()\n"
+            "k = kernels()\n"
             "pending = [f.name for f in sys.meta_path if type(f).__name__ == '_AfterImport']\n"
             "print(*(f.__module__ for f in (k.chunk_kda_with_fused_gate, k.fused_recurrent_kda,\n"
             "      k.fused_recurrent_kda_packed_decode)), *pending)")

@@ -35,12 +35,16 @@ ROWS = (
     ("spec_decode", 24, "bound", [5] * 128),
 )
 BOUND = {"softplus": None, "bound": -5.0}
+STABLE_OPS = "vllm._C_stable_libtorch"
 
 
 def kernels():
     """vllm.models.kimi_k3.nvidia.ops.third_party.kda, vLLM's copy of FLA's KDA kernels, imported
     without running vllm/models/kimi_k3/__init__.py (the whole K3 model and most of vLLM's serving
-    stack, ≈ 27 packages more): that package stood in for by a bare one over the same directory."""
+    stack, ≈ 27 packages more): that package stood in for by a bare one over the same directory. On a
+    GPU, vLLM's CUDA platform imports its compiled ops (`vllm._C_stable_libtorch`, built for vLLM's own
+    torch), which none of these kernels calls: an empty module stands in where it does not load."""
+    stand_in_compiled_ops()
     name = "vllm.models.kimi_k3"
     if name not in sys.modules:
         root = os.path.dirname(importlib.util.find_spec("vllm").origin)
@@ -49,6 +53,14 @@ def kernels():
         importlib.import_module("vllm.models")
         sys.modules[name] = package
     return importlib.import_module(name + ".nvidia.ops.third_party.kda")
+
+
+def stand_in_compiled_ops():
+    """An empty `vllm._C_stable_libtorch` where vLLM's own does not load (kernels' docstring)."""
+    try:
+        importlib.import_module(STABLE_OPS)
+    except ImportError:
+        sys.modules[STABLE_OPS] = types.ModuleType(STABLE_OPS)
 
 
 def inputs(call, H, gate, lens, seed=0, K=128):
