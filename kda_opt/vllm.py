@@ -44,6 +44,9 @@ PAD_SLOT = 0                      # vLLM's NULL_BLOCK_ID: the slot its metadata 
 # checkpoint_every for K3's one checkpoint per sequence: a multiple of 64 past any sequence's length,
 # so that each sequence has a row after its first checkpoint_offsets[n] tokens and one at its end.
 ONE_CHECKPOINT = 1 << 24
+# The fewest requests of a packed decode step kda_opt takes: below it vLLM's own kernel measured faster
+# (docs/BENCHMARKING.md, "vLLM": kda_decode and the zeroing of padding rows are two launches to its one).
+PACKED_DECODE_FROM = 64
 
 
 def register() -> None:
@@ -229,16 +232,17 @@ def spec_decode(vllm_own):
     return fused_recurrent_kda
 
 
-def packed_decode(vllm_own):
+def packed_decode(vllm_own, from_requests: int = PACKED_DECODE_FROM):
     """vLLM's fused_recurrent_kda_packed_decode: one token per request, q, k, v read in place from the
     short convolution's output mixed_qkv [B, 2·H·K + H·V], raw_g [1, B, H, K], raw_beta [1, B, H]
     logits; request n's state read from and written to initial_state[state_indices[n]] (the pool
     [slots, H, V, K]); a padding request (slot 0 or negative) reads and writes no state and its row
-    of o is zero, as in vLLM -> (o [1, B, H, V], in out where given; the pool)."""
+    of o is zero, as in vLLM -> (o [1, B, H, V], in out where given; the pool). Steps of fewer than
+    from_requests requests are vLLM's."""
     def fused_recurrent_kda_packed_decode(mixed_qkv, raw_g, raw_beta, A_log, dt_bias, lower_bound, initial_state,
                                           state_indices, scale=None, out=None):
         _, H, V, K = initial_state.shape
-        if not computes(mixed_qkv, initial_state, K, V):
+        if not (mixed_qkv.shape[0] >= from_requests and computes(mixed_qkv, initial_state, K, V)):
             return vllm_own(mixed_qkv, raw_g, raw_beta, A_log, dt_bias, lower_bound, initial_state, state_indices,
                             scale=scale, out=out)
         B = mixed_qkv.shape[0]

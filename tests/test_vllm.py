@@ -258,7 +258,7 @@ def test_packed_decode_matches_vllms(interpreted, monkeypatch, gate, pool_dtype)
     zero in o; every row no live request names, slot 0 included, bit-identical."""
     _on_hopper(monkeypatch)
     H, K, V, dtype = (2, 64, 64, torch.float32) if INTERPRETED else (8, 128, 128, torch.bfloat16)
-    indices = torch.tensor([3, 0, 5, -1, 1], device=DEVICE)
+    indices = torch.tensor([3, 0, 5, -1, 1], device=DEVICE)       # (taken: from_requests=1 below)
     B = indices.shape[0]
     t = _tokens([1] * B, H, K, V, dtype, DEVICE)
     mixed = torch.cat([t[n].reshape(B, -1) for n in ("q", "k", "v")], dim=-1)
@@ -266,7 +266,7 @@ def test_packed_decode_matches_vllms(interpreted, monkeypatch, gate, pool_dtype)
     pool = _pool(7, H, V, K, pool_dtype, DEVICE)
     outs = {}
     for who, function in (("vllm", kernels.fused_recurrent_kda_packed_decode),
-                          ("ours", plugin.packed_decode(kernels.fused_recurrent_kda_packed_decode))):
+                          ("ours", plugin.packed_decode(kernels.fused_recurrent_kda_packed_decode, 1))):
         p = pool.clone()
         o, returned = function(mixed, t["raw_g"], t["raw_beta"], A_log, dt_bias, BOUND[gate], p, indices)
         assert returned is p and o.shape == (1, B, H, V)
@@ -442,3 +442,17 @@ def test_one_sequence_runs_as_one_sequence(monkeypatch):
         plugin.prefill(None)(t["q"], t["k"], t["v"], t["raw_g"], t["raw_beta"], torch.zeros(2, device="cuda"),
                              None, cu_seqlens=t["cu_seqlens"])
     assert seen[0].tolist() == [0, 300] and seen[1] is None
+
+
+def test_packed_decode_takes_steps_from_its_rule(monkeypatch):
+    """Steps of fewer than PACKED_DECODE_FROM requests are vLLM's own kernel's; from it, kda_decode's."""
+    monkeypatch.setattr(plugin, "_on_hopper", lambda device: True)
+    monkeypatch.setattr(plugin, "kda_decode", lambda q, *a, **kw: (torch.zeros(q.shape[0], 1, 2, 64), None))
+    own = lambda *a, **kw: "vllm"
+    pool = torch.zeros(4, 2, 64, 64)
+    ran = []
+    for B in (plugin.PACKED_DECODE_FROM - 1, plugin.PACKED_DECODE_FROM):
+        mixed, g, beta = torch.zeros(B, 3 * 2 * 64), torch.zeros(1, B, 2, 64), torch.zeros(1, B, 2)
+        ran.append(plugin.packed_decode(own)(mixed, g, beta, torch.zeros(2), torch.zeros(128), None, pool,
+                                             torch.ones(B, dtype=torch.int64))[0])
+    assert ran[0] == "vllm" and ran[1].shape == (1, plugin.PACKED_DECODE_FROM, 2, 64)

@@ -137,6 +137,9 @@ def parse_args(argv=None):
     p.add_argument("--model-gates", default="softplus,safe",
                    help="--test model: the gates of the model's layer it runs, in order (softplus, safe), so "
                         "that a time-limited run can take one at a time")
+    p.add_argument("--vllm-calls", default=",".join(vllm.CALLS),
+                   help="--test vllm: the calls whose rows it runs (prefill, decode, spec_decode; all by default), "
+                        "the CSV's rows of the others kept")
     p.add_argument("--sglang-calls", default=",".join(sglang.METHODS),
                    help="--test sglang: the calls whose rows it runs (extend, decode, packed_decode, verify, "
                         "tree_verify); the CSV's rows of the others are kept, so that a time-limited run can "
@@ -587,7 +590,7 @@ def main(argv=None) -> int:
     if args.test == "vllm":
         if importlib.util.find_spec("vllm") is None:
             return refuse("--test vllm needs vLLM (pip install --no-deps vllm; docs/USAGE.md, \"vLLM\")")
-        rows = vllm.vllm_rows(args.out_dir, args.warmup, args.rep, args.quiet)
+        rows = vllm.vllm_rows(args.out_dir, args.warmup, args.rep, args.quiet, calls=tuple(args.vllm_calls.split(",")))
         return 0 if all(r["max_rel_err"] <= 2 * ERROR_FLOOR for r in rows) else 1
     fla = peers.fla_chunk_kda()
     if fla is None and (args.sweep or args.test in ("fla", "benchmark", "all", "host", "cp", "decode", "model")):

@@ -18,9 +18,10 @@ import types
 
 import torch
 
-from .common import echo, graph_ms, medians_in_turns, write_rows
+from .common import echo, gpu_tag, graph_ms, medians_in_turns, read_csv, write_rows
 
 GRAPH_CALLS = 10
+CALLS = ("prefill", "decode", "spec_decode")
 FIELDS = ("call", "H", "requests", "tokens", "gate", "vllm_function", "vllm_ms", "flashkda_ms", "kda_opt_ms",
           "speedup", "speedup_flashkda", "taken", "max_rel_err")
 # (call, H, gate, request lengths): Kimi-Linear's heads (softplus) and K3's shards (bounded).
@@ -118,19 +119,24 @@ def _callers(call, a, own, ours):
     return {"vllm": make(own), "kda_opt": make(ours)}
 
 
-def vllm_rows(out_dir, warmup=25, rep=100, quiet=False):
-    """Every ROWS row: vLLM's function, FlashKDA (bounded prefill rows) and kda_opt's replacement."""
+def vllm_rows(out_dir, warmup=25, rep=100, quiet=False, calls=CALLS):
+    """The ROWS rows of `calls`: vLLM's function, FlashKDA (bounded prefill rows) and kda_opt's
+    replacement (kda_opt's side run on every row, whatever the plugin takes: `taken`), written row by
+    row to <out_dir>/vllm_<gpu>.csv beside its rows of the other calls."""
     from kda_opt import vllm as plugin
     from kda_opt.reference import rel_err
     module = kernels()
     names = {"prefill": "chunk_kda_with_fused_gate", "decode": "fused_recurrent_kda_packed_decode",
              "spec_decode": "fused_recurrent_kda"}
     makers = {"prefill": plugin.prefill, "decode": plugin.packed_decode, "spec_decode": plugin.spec_decode}
+    earlier = [r for r in read_csv(os.path.join(out_dir, f"vllm_{gpu_tag()}.csv")) if r["call"] not in calls]
     rows = []
-    for call, H, gate, lens in ROWS:
+    for call, H, gate, lens in (r for r in ROWS if r[0] in calls):
         a = inputs(call, H, gate, lens)
         own = getattr(module, names[call])
         runs = _callers(call, a, own, makers[call](own))
+        if call == "decode":    # kda_opt's side on every row, whatever the plugin takes
+            runs["kda_opt"] = _callers(call, a, own, plugin.packed_decode(own, from_requests=1))["kda_opt"]
         err = rel_err(runs["kda_opt"](), runs["vllm"]())
         if call == "prefill":
             fk = _flashkda(a)
@@ -143,9 +149,13 @@ def vllm_rows(out_dir, warmup=25, rep=100, quiet=False):
                    vllm_ms=ms["vllm"], flashkda_ms=ms.get("flashkda"), kda_opt_ms=ms["kda_opt"],
                    speedup=ms["vllm"] / ms["kda_opt"],
                    speedup_flashkda=ms["flashkda"] / ms["kda_opt"] if "flashkda" in ms else None,
-                   taken=plugin.computes(a["q"], a["pool"], 128, 128), max_rel_err=err)
+                   taken=plugin.computes(a["q"], a["pool"], 128, 128)
+                   and (call != "decode" or len(lens) >= plugin.PACKED_DECODE_FROM), max_rel_err=err)
         rows.append(row)
         if not quiet:
             echo("  " + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
-        write_rows(rows, out_dir, "vllm", FIELDS)
+        order = lambda r: [(c, h, g, len(n), sum(n)) for c, h, g, n in ROWS].index(
+            (r["call"], int(r["H"]), r["gate"], int(r["requests"]), int(r["tokens"])))
+        write_rows(sorted(earlier + rows, key=order), out_dir, "vllm", FIELDS)
     return rows
+
