@@ -454,5 +454,5 @@ def test_packed_decode_takes_steps_from_its_rule(monkeypatch):
     for B in (plugin.PACKED_DECODE_FROM - 1, plugin.PACKED_DECODE_FROM):
         mixed, g, beta = torch.zeros(B, 3 * 2 * 64), torch.zeros(1, B, 2, 64), torch.zeros(1, B, 2)
         ran.append(plugin.packed_decode(own)(mixed, g, beta, torch.zeros(2), torch.zeros(128), None, pool,
-                                             torch.ones(B, dtype=torch.int64))[0])
-    assert ran[0] == "vllm" and ran[1].shape == (1, plugin.PACKED_DECODE_FROM, 2, 64)
+                                             torch.ones(B, dtype=torch.int64)))
+    assert ran[0] == "vllm" and ran[1][0].shape == (1, plugin.PACKED_DECODE_FROM, 2, 64)
