@@ -44,9 +44,13 @@ PAD_SLOT = 0                      # vLLM's NULL_BLOCK_ID: the slot its metadata 
 # checkpoint_every for K3's one checkpoint per sequence: a multiple of 64 past any sequence's length,
 # so that each sequence has a row after its first checkpoint_offsets[n] tokens and one at its end.
 ONE_CHECKPOINT = 1 << 24
-# The fewest requests of a packed decode step kda_opt takes: below it vLLM's own kernel measured faster
-# (docs/BENCHMARKING.md, "vLLM": kda_decode and the zeroing of padding rows are two launches to its one).
-PACKED_DECODE_FROM = 64
+# Which calls kda_opt takes where it computes them: those --test vllm measured at least as fast as vLLM's
+# own (CUDA graph replays for decode; docs/BENCHMARKING.md, "vLLM").
+PACKED_DECODE_FROM = 128     # the fewest requests of a packed decode step it takes (kda_decode and the
+                             # zeroing of padding rows are two launches to vLLM's one)
+TAKES_SPEC_DECODE = False    # speculative decode: vLLM's kernel ahead at 2-4 drafts
+FLASHKDA_WAVES = 2           # K3's FlashKDA prefill taken up to N·H ≤ this many SMs' worth of (request,
+                             # head) pairs, FlashKDA's one CTA each: past it FlashKDA's GPU is full
 
 
 def register() -> None:
@@ -150,6 +154,11 @@ def _one_sequence(q: torch.Tensor, cu_seqlens: torch.Tensor | None):
 
 
 @functools.cache
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
 def _rows(N: int, device: torch.device) -> torch.Tensor:
     """0 .. N − 1 on the device: each sequence's own row of a dense [N, …] state pool."""
     return torch.arange(N, dtype=torch.int32, device=device)
@@ -176,15 +185,17 @@ def prefill(vllm_own):
     return chunk_kda_with_fused_gate
 
 
-def flashkda_prefill(vllm_own):
+def flashkda_prefill(vllm_own, waves: int = FLASHKDA_WAVES):
     """K3's _flashkda_prefill: FlashKDA's call (bounded gate, β logits, q/k L2 norm in kernel) on q, k,
     v [1, T, H, 128] bf16 packed by cu_seqlens [N + 1] from initial_state [N, H, V, K]: o into out,
     the final states into final_state [N, H, V, K] (its dtype) and, where checkpoint_offsets [N] is
     given, into checkpoint_state[n] the state after sequence n's first checkpoint_offsets[n] tokens
-    (0: none, the row left as it is) -> (out, final_state). workspace is FlashKDA's."""
+    (0: none, the row left as it is) -> (out, final_state). workspace is FlashKDA's. Taken where N·H is
+    at most `waves` times the SM count."""
     def _flashkda_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, out,
                           final_state, workspace, checkpoint_state=None, checkpoint_offsets=None):
-        if not computes(q, initial_state, q.shape[-1], v.shape[-1]):
+        if not (computes(q, initial_state, q.shape[-1], v.shape[-1])
+                and (cu_seqlens.shape[0] - 1) * q.shape[2] <= waves * _sms(q.device)):
             return vllm_own(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, out,
                             final_state, workspace, checkpoint_state=checkpoint_state,
                             checkpoint_offsets=checkpoint_offsets)
@@ -209,7 +220,7 @@ def flashkda_prefill(vllm_own):
     return _flashkda_prefill
 
 
-def spec_decode(vllm_own):
+def spec_decode(vllm_own, taken: bool = TAKES_SPEC_DECODE):
     """vLLM's fused_recurrent_kda (speculative decode): q, k [1, T, H, K], v [1, T, H, V] packed by
     cu_seqlens [N + 1]; the pool initial_state [slots, H, V, K], request n read from
     ssm_state_indices[n, num_accepted_tokens[n] − 1] (column 0 without it) and its state after token t
@@ -217,10 +228,10 @@ def spec_decode(vllm_own):
     -> (o, in out where given; the pool). A padding request (slot 0 in every column, as vLLM's
     metadata pads; a negative slot is one too) reads and writes no state; its rows of o, which vLLM
     discards (its kernel zeroes the first and leaves the others), hold the recurrence from a zero
-    state. fuse_gate picks vLLM's kernels for the same function."""
+    state. fuse_gate picks vLLM's kernels for the same function. Taken only where `taken`."""
     def fused_recurrent_kda(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,
                             ssm_state_indices, num_accepted_tokens=None, out=None, fuse_gate=None):
-        if not computes(q, initial_state, q.shape[-1], v.shape[-1]):
+        if not (taken and computes(q, initial_state, q.shape[-1], v.shape[-1])):
             return vllm_own(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,
                             ssm_state_indices, num_accepted_tokens=num_accepted_tokens, out=out,
                             fuse_gate=fuse_gate)

@@ -304,7 +304,7 @@ def test_spec_decode_matches_vllms(interpreted, monkeypatch, gate):
     args = (t["q"], t["k"], t["v"], t["raw_g"], t["raw_beta"], A_log, dt_bias, BOUND[gate])
     outs = {}
     for who, function in (("vllm", kernels.fused_recurrent_kda),
-                          ("ours", plugin.spec_decode(kernels.fused_recurrent_kda))):
+                          ("ours", plugin.spec_decode(kernels.fused_recurrent_kda, taken=True))):
         p, out = pool.clone(), torch.full_like(t["v"], float("nan"))
         o, returned = function(*args, p, t["cu_seqlens"], indices, num_accepted_tokens=accepted, out=out)
         assert o is out and returned is p
@@ -355,6 +355,7 @@ def _forward(monkeypatch):
     if not HAS_CUDA:
         monkeypatch.setattr(plugin, "_on_hopper", lambda device: True)
         monkeypatch.setattr(plugin, "kda_forward", _forward_in_float64)
+        monkeypatch.setattr(plugin, "_sms", lambda device: 132)
 
 
 @pytest.mark.parametrize("gate", ["softplus", "bound"])
@@ -442,6 +443,21 @@ def test_one_sequence_runs_as_one_sequence(monkeypatch):
         plugin.prefill(None)(t["q"], t["k"], t["v"], t["raw_g"], t["raw_beta"], torch.zeros(2, device="cuda"),
                              None, cu_seqlens=t["cu_seqlens"])
     assert seen[0].tolist() == [0, 300] and seen[1] is None
+
+
+def test_spec_decode_and_full_flashkda_calls_are_vllms(monkeypatch):
+    """Speculative decode is vLLM's unless taken; K3's FlashKDA prefill past FLASHKDA_WAVES SMs' worth of
+    (request, head) pairs is vLLM's (FlashKDA's)."""
+    monkeypatch.setattr(plugin, "_on_hopper", lambda device: True)
+    monkeypatch.setattr(plugin, "_sms", lambda device: 4)
+    own = lambda *a, **kw: "vllm"
+    t = _tokens([3], 2, 64, 64, torch.float32, "cpu")
+    pool = torch.zeros(4, 2, 64, 64)
+    assert plugin.spec_decode(own)(t["q"], t["k"], t["v"], t["raw_g"], t["raw_beta"], torch.zeros(2), None, None,
+                                   pool, t["cu_seqlens"], torch.tensor([1])) == "vllm"
+    t = _tokens([1] * 5, 2, 64, 64, torch.float32, "cpu")      # N·H 10 > 2 waves of 4 SMs
+    assert plugin.flashkda_prefill(own)(t["q"], t["k"], t["v"], t["raw_g"], t["raw_beta"], torch.zeros(2), None, -5.0,
+                                        pool[:5], t["cu_seqlens"], t["v"], pool[:5], None) == "vllm"
 
 
 def test_packed_decode_takes_steps_from_its_rule(monkeypatch):

@@ -119,6 +119,11 @@ def _callers(call, a, own, ours):
     return {"vllm": make(own), "kda_opt": make(ours)}
 
 
+def taken(plugin, call, N):
+    """Whether the plugin, at its defaults, runs kda_opt on a row's call (on Hopper, bf16, D 128)."""
+    return {"prefill": True, "decode": N >= plugin.PACKED_DECODE_FROM, "spec_decode": plugin.TAKES_SPEC_DECODE}[call]
+
+
 def vllm_rows(out_dir, warmup=25, rep=100, quiet=False, calls=CALLS):
     """The ROWS rows of `calls`: vLLM's function, FlashKDA (bounded prefill rows) and kda_opt's
     replacement (kda_opt's side run on every row, whatever the plugin takes: `taken`), written row by
@@ -135,8 +140,9 @@ def vllm_rows(out_dir, warmup=25, rep=100, quiet=False, calls=CALLS):
         a = inputs(call, H, gate, lens)
         own = getattr(module, names[call])
         runs = _callers(call, a, own, makers[call](own))
-        if call == "decode":    # kda_opt's side on every row, whatever the plugin takes
-            runs["kda_opt"] = _callers(call, a, own, plugin.packed_decode(own, from_requests=1))["kda_opt"]
+        if call != "prefill":    # kda_opt's side on every row, whatever the plugin takes
+            every = plugin.packed_decode(own, from_requests=1) if call == "decode" else plugin.spec_decode(own, True)
+            runs["kda_opt"] = _callers(call, a, own, lambda _: every)["kda_opt"]
         err = rel_err(runs["kda_opt"](), runs["vllm"]())
         if call == "prefill":
             fk = _flashkda(a)
@@ -149,8 +155,7 @@ def vllm_rows(out_dir, warmup=25, rep=100, quiet=False, calls=CALLS):
                    vllm_ms=ms["vllm"], flashkda_ms=ms.get("flashkda"), kda_opt_ms=ms["kda_opt"],
                    speedup=ms["vllm"] / ms["kda_opt"],
                    speedup_flashkda=ms["flashkda"] / ms["kda_opt"] if "flashkda" in ms else None,
-                   taken=plugin.computes(a["q"], a["pool"], 128, 128)
-                   and (call != "decode" or len(lens) >= plugin.PACKED_DECODE_FROM), max_rel_err=err)
+                   taken=taken(plugin, call, len(lens)), max_rel_err=err)
         rows.append(row)
         if not quiet:
             echo("  " + "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
