@@ -185,17 +185,17 @@ def prefill(vllm_own):
     return chunk_kda_with_fused_gate
 
 
-def flashkda_prefill(vllm_own, waves: int = FLASHKDA_WAVES):
+def flashkda_prefill(vllm_own, waves: int | None = None):
     """K3's _flashkda_prefill: FlashKDA's call (bounded gate, β logits, q/k L2 norm in kernel) on q, k,
     v [1, T, H, 128] bf16 packed by cu_seqlens [N + 1] from initial_state [N, H, V, K]: o into out,
     the final states into final_state [N, H, V, K] (its dtype) and, where checkpoint_offsets [N] is
     given, into checkpoint_state[n] the state after sequence n's first checkpoint_offsets[n] tokens
     (0: none, the row left as it is) -> (out, final_state). workspace is FlashKDA's. Taken where N·H is
-    at most `waves` times the SM count."""
+    at most `waves` (None: FLASHKDA_WAVES, as it is at the call) times the SM count."""
     def _flashkda_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, out,
                           final_state, workspace, checkpoint_state=None, checkpoint_offsets=None):
         if not (computes(q, initial_state, q.shape[-1], v.shape[-1])
-                and (cu_seqlens.shape[0] - 1) * q.shape[2] <= waves * _sms(q.device)):
+                and (cu_seqlens.shape[0] - 1) * q.shape[2] <= (waves or FLASHKDA_WAVES) * _sms(q.device)):
             return vllm_own(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, out,
                             final_state, workspace, checkpoint_state=checkpoint_state,
                             checkpoint_offsets=checkpoint_offsets)
@@ -220,7 +220,7 @@ def flashkda_prefill(vllm_own, waves: int = FLASHKDA_WAVES):
     return _flashkda_prefill
 
 
-def spec_decode(vllm_own, taken: bool = TAKES_SPEC_DECODE):
+def spec_decode(vllm_own, taken: bool | None = None):
     """vLLM's fused_recurrent_kda (speculative decode): q, k [1, T, H, K], v [1, T, H, V] packed by
     cu_seqlens [N + 1]; the pool initial_state [slots, H, V, K], request n read from
     ssm_state_indices[n, num_accepted_tokens[n] − 1] (column 0 without it) and its state after token t
@@ -228,10 +228,12 @@ def spec_decode(vllm_own, taken: bool = TAKES_SPEC_DECODE):
     -> (o, in out where given; the pool). A padding request (slot 0 in every column, as vLLM's
     metadata pads; a negative slot is one too) reads and writes no state; its rows of o, which vLLM
     discards (its kernel zeroes the first and leaves the others), hold the recurrence from a zero
-    state. fuse_gate picks vLLM's kernels for the same function. Taken only where `taken`."""
+    state. fuse_gate picks vLLM's kernels for the same function. Taken where `taken` (None:
+    TAKES_SPEC_DECODE, as it is at the call)."""
     def fused_recurrent_kda(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,
                             ssm_state_indices, num_accepted_tokens=None, out=None, fuse_gate=None):
-        if not (taken and computes(q, initial_state, q.shape[-1], v.shape[-1])):
+        if not ((TAKES_SPEC_DECODE if taken is None else taken) and computes(q, initial_state, q.shape[-1],
+                                                                             v.shape[-1])):
             return vllm_own(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,
                             ssm_state_indices, num_accepted_tokens=num_accepted_tokens, out=out,
                             fuse_gate=fuse_gate)
@@ -243,17 +245,18 @@ def spec_decode(vllm_own, taken: bool = TAKES_SPEC_DECODE):
     return fused_recurrent_kda
 
 
-def packed_decode(vllm_own, from_requests: int = PACKED_DECODE_FROM):
+def packed_decode(vllm_own, from_requests: int | None = None):
     """vLLM's fused_recurrent_kda_packed_decode: one token per request, q, k, v read in place from the
     short convolution's output mixed_qkv [B, 2·H·K + H·V], raw_g [1, B, H, K], raw_beta [1, B, H]
     logits; request n's state read from and written to initial_state[state_indices[n]] (the pool
     [slots, H, V, K]); a padding request (slot 0 or negative) reads and writes no state and its row
     of o is zero, as in vLLM -> (o [1, B, H, V], in out where given; the pool). Steps of fewer than
-    from_requests requests are vLLM's."""
+    from_requests requests (None: PACKED_DECODE_FROM, as it is at the call) are vLLM's."""
     def fused_recurrent_kda_packed_decode(mixed_qkv, raw_g, raw_beta, A_log, dt_bias, lower_bound, initial_state,
                                           state_indices, scale=None, out=None):
         _, H, V, K = initial_state.shape
-        if not (mixed_qkv.shape[0] >= from_requests and computes(mixed_qkv, initial_state, K, V)):
+        least = from_requests or PACKED_DECODE_FROM
+        if not (mixed_qkv.shape[0] >= least and computes(mixed_qkv, initial_state, K, V)):
             return vllm_own(mixed_qkv, raw_g, raw_beta, A_log, dt_bias, lower_bound, initial_state, state_indices,
                             scale=scale, out=out)
         B = mixed_qkv.shape[0]
