@@ -142,7 +142,7 @@ def vllm_rows(out_dir, warmup=25, rep=100, quiet=False, calls=CALLS):
         runs = _callers(call, a, own, makers[call](own))
         if call != "prefill":    # kda_opt's side on every row, whatever the plugin takes
             every = plugin.packed_decode(own, from_requests=1) if call == "decode" else plugin.spec_decode(own, True)
-            runs["kda_opt"] = _callers(call, a, own, lambda _: every)["kda_opt"]
+            runs["kda_opt"] = _callers(call, a, own, every)["kda_opt"]
         err = rel_err(runs["kda_opt"](), runs["vllm"]())
         if call == "prefill":
             fk = _flashkda(a)
