@@ -9,19 +9,4 @@ if [ ! -f /tmp/kdasglang/.ready ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/kdasglang .devsglang/*.whl || return 1
   touch /tmp/kdasglang/.ready
 fi
-export PYTHONPATH="$PWD:/tmp/kdasglang:$K/site${PYTHONPATH:+:$PYTHONPATH}"
-export PATH="$K/tc/nvidia/cu13/bin:$PATH" PYTHONUNBUFFERED=1 FLA_FLASH_KDA=${FLA_FLASH_KDA:-0}
-unset CUDA_HOME CUDA_PATH
-export LD_LIBRARY_PATH="$K/libdw/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-# kda_opt runs from the tree (the kit puts it on PYTHONPATH), not installed: its entry points (the SGLang
-# plugin's, pyproject.toml) as the metadata an install would write, so that SGLang's load_plugins finds it.
-python3 - <<'PY'
-import os, tomllib
-project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-info = f"/tmp/kdasglang/kda_opt-{project['version']}.dist-info"
-os.makedirs(info, exist_ok=True)
-open(f"{info}/METADATA", "w").write(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
-open(f"{info}/entry_points.txt", "w").write("".join(
-    f"[{group}]\n" + "".join(f"{name} = {value}\n" for name, value in points.items())
-    for group, points in project["entry-points"].items()))
-PY
+source scripts/device/kit-env.sh /tmp/kdasglang
