@@ -134,8 +134,8 @@ def computes(x: torch.Tensor, state: torch.Tensor | None, K: int, V: int) -> boo
 
 
 def _gate(A_log, dt_bias, lower_bound, l2norm: bool = True) -> dict:
-    """kda_forward's and kda_decode's arguments for vLLM's raw gate, β logits and V-first states; the
-    safe gate (16-bit intra-chunk products) where the lower bound is one it promises."""
+    """kda_forward's and kda_decode's arguments for vLLM's raw gate (A_log [H], dt_bias [H·K], the
+    lower bound or None), β logits, q/k L2 norm in kernel (l2norm) and V-first states."""
     return dict(use_qk_l2norm_in_kernel=l2norm, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                 A_log=A_log.reshape(-1), dt_bias=dt_bias, lower_bound=lower_bound, state_v_first=True)
 
