@@ -190,16 +190,17 @@ def flashkda_prefill(vllm_own, waves: int | None = None):
     v [1, T, H, 128] bf16 packed by cu_seqlens [N + 1] from initial_state [N, H, V, K]: o into out,
     the final states into final_state [N, H, V, K] (its dtype) and, where checkpoint_offsets [N] is
     given, into checkpoint_state[n] the state after sequence n's first checkpoint_offsets[n] tokens
-    (0: none, the row left as it is) -> (out, final_state). workspace is FlashKDA's. Taken where N·H is
-    at most `waves` (None: FLASHKDA_WAVES, as it is at the call) times the SM count."""
+    (0 or an empty sequence: none, the row left as it is) -> (out, final_state). workspace is
+    FlashKDA's. Taken where N·H is at most `waves` (None: FLASHKDA_WAVES, as it is at the call) times
+    the SM count."""
     def _flashkda_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, out,
                           final_state, workspace, checkpoint_state=None, checkpoint_offsets=None):
+        N = cu_seqlens.shape[0] - 1
         if not (computes(q, initial_state, q.shape[-1], v.shape[-1])
-                and (cu_seqlens.shape[0] - 1) * q.shape[2] <= (waves or FLASHKDA_WAVES) * _sms(q.device)):
+                and N * q.shape[2] <= (waves or FLASHKDA_WAVES) * _sms(q.device)):
             return vllm_own(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, out,
                             final_state, workspace, checkpoint_state=checkpoint_state,
                             checkpoint_offsets=checkpoint_offsets)
-        N = cu_seqlens.shape[0] - 1
         final_state[:N].copy_(initial_state)       # then read and written in place, as a pool of N rows
         checkpoints = first = None
         if checkpoint_offsets is not None:
@@ -212,10 +213,12 @@ def flashkda_prefill(vllm_own, waves: int | None = None):
                            checkpoints=checkpoints, checkpoint_every=CHUNK if first is None else ONE_CHECKPOINT,
                            checkpoint_offsets=first)
         if checkpoints is not None:
-            counts = 1 + (cu_seqlens[1:] - cu_seqlens[:-1] > first).to(torch.int64)
+            # kda_forward's rows a sequence: none where it is empty, 1, and 1 more where it passes f_n.
+            lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+            counts = (lengths > 0).to(torch.int64) + (lengths > first)
             taken = checkpoints[0, counts.cumsum(0) - counts]          # each sequence's first row
-            checkpoint_state[:N].copy_(torch.where((checkpoint_offsets > 0).view(-1, 1, 1, 1), taken,
-                                                   checkpoint_state[:N]))
+            asked = (checkpoint_offsets > 0) & (lengths > 0)
+            checkpoint_state[:N].copy_(torch.where(asked.view(-1, 1, 1, 1), taken, checkpoint_state[:N]))
         return out.copy_(o), final_state
     return _flashkda_prefill
 
@@ -254,12 +257,10 @@ def packed_decode(vllm_own, from_requests: int | None = None):
     from_requests requests (None: PACKED_DECODE_FROM, as it is at the call) are vLLM's."""
     def fused_recurrent_kda_packed_decode(mixed_qkv, raw_g, raw_beta, A_log, dt_bias, lower_bound, initial_state,
                                           state_indices, scale=None, out=None):
-        _, H, V, K = initial_state.shape
-        least = from_requests or PACKED_DECODE_FROM
-        if not (mixed_qkv.shape[0] >= least and computes(mixed_qkv, initial_state, K, V)):
+        (_, H, V, K), B = initial_state.shape, mixed_qkv.shape[0]
+        if not (B >= (from_requests or PACKED_DECODE_FROM) and computes(mixed_qkv, initial_state, K, V)):
             return vllm_own(mixed_qkv, raw_g, raw_beta, A_log, dt_bias, lower_bound, initial_state, state_indices,
                             scale=scale, out=out)
-        B = mixed_qkv.shape[0]
         q, k, v = (x.unflatten(-1, (H, -1)).unsqueeze(1) for x in mixed_qkv.split([H * K, H * K, H * V], dim=-1))
         o, _ = kda_decode(q, k, v, raw_g.reshape(B, 1, H, K), raw_beta.reshape(B, 1, H), scale=scale,
                           initial_state=initial_state, **_gate(A_log, dt_bias, lower_bound), inplace_final_state=True,

@@ -337,9 +337,12 @@ def _forward_in_float64(q, k, v, g, beta, scale=None, initial_state=None, output
         S = None if initial_state is None else initial_state[slot:slot + 1]
         run = lambda end, S0: reference_forward(*(x[:, bos:end] for x in (q, k, v, g, beta)), scale=scale,
                                                 initial_state=S0, output_final_state=True, **gate)
-        o_n, S_end = run(eos, S)
-        o[:, bos:eos] = o_n.to(o.dtype)
-        if checkpoint_offsets is not None:
+        if eos == bos:              # an empty sequence: its start is its end, and it has no rows
+            S_end = initial_state.new_zeros(1, *initial_state.shape[1:]) if S is None else S.clone()
+        else:
+            o_n, S_end = run(eos, S)
+            o[:, bos:eos] = o_n.to(o.dtype)
+        if checkpoint_offsets is not None and eos > bos:
             f = min(max(int(checkpoint_offsets[n]), 1), checkpoint_every)
             for j in range(1 + -(-max(eos - bos - f, 0) // checkpoint_every)):
                 checkpoints[0, row] = run(bos + min(f + checkpoint_every * j, eos - bos), S)[1][0].to(checkpoints.dtype)
@@ -387,11 +390,13 @@ def test_prefill_matches_vllms_chunk(interpreted, monkeypatch, gate):
 def test_flashkda_prefill_writes_out_final_states_and_checkpoints(monkeypatch):
     """K3's _flashkda_prefill through kda_forward: o into out, each sequence's final state into
     final_state in its dtype, checkpoint_state[n] its state after checkpoint_offsets[n] tokens (16-token
-    aligned, as vLLM places them), the row of an offset 0 left as it is; each within FLA's bound of
-    the float64 recurrence (and of FlashKDA's own o and final states, where the kit has FlashKDA)."""
+    aligned, as vLLM places them), the row of an offset 0 or an empty sequence left as it is; each
+    within FLA's bound of the float64 recurrence (and of FlashKDA's own o and final states, where the
+    kit has FlashKDA)."""
     _forward(monkeypatch)
     H, K, dtype = (2, 64, torch.float32) if INTERPRETED else (12, 128, torch.bfloat16)
-    lens, offsets = ([100, 40, 48], [16, 0, 48]) if INTERPRETED else ([2000, 300, 4096, 33], [1040, 0, 64, 16])
+    # (on the CPU an empty sequence too, which has no checkpoint rows: its row is left as it is)
+    lens, offsets = ([100, 0, 40, 48], [16, 32, 0, 48]) if INTERPRETED else ([2000, 300, 4096, 33], [1040, 0, 64, 16])
     N = len(lens)
     t = _tokens(lens, H, K, K, dtype, DEVICE)
     A_log, dt_bias = _gate_weights(H, K, DEVICE)
@@ -407,6 +412,9 @@ def test_flashkda_prefill_writes_out_final_states_and_checkpoints(monkeypatch):
     bounds = t["cu_seqlens"].tolist()
     o_ref = torch.zeros_like(t["v"], dtype=torch.float64)
     for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if eos == bos:
+            assert torch.equal(final[n], h0[n]) and torch.equal(checkpoint[n], torch.full_like(checkpoint[n], 7.0))
+            continue
         piece = lambda end: [x[:, bos:end] for x in (t["q"], t["k"], t["v"], t["raw_g"], t["raw_beta"])]
         o_n, S = reference_forward(*piece(eos), initial_state=h0[n:n + 1], output_final_state=True, **gate)
         o_ref[:, bos:eos] = o_n
