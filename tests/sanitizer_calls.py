@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from kda_bench.inputs import random_inputs
+from inputs import random_inputs
 from kda_opt import kda_decode, kda_forward
 from kda_opt.forward import RUN_TENSORS, Prepared, run
 from kda_opt.plan import Tuning, takes_ahead

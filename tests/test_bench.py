@@ -8,8 +8,9 @@ import types
 import pytest
 import torch
 
+from inputs import random_inputs
 from kda_bench import bench, common, peers
-from kda_bench.inputs import random_inputs
+from kda_bench.inputs import DECAYS, GATES, LAYOUTS, draw_call
 
 
 def test_defaults_match_spec():
@@ -34,6 +35,28 @@ def test_the_call_a_server_makes_by_default():
     assert bool((torch.nn.functional.softplus(args["dt_bias"]) <= 0.1 + 1e-6).all())
     assert quiet.inputs(device="cpu", initial_state=True)["initial_state"].shape == (1, 32, 128, 128)
 
+
+
+# A layout of the benchmark's (kda_bench/inputs.LAYOUTS) → the tests' random_inputs options for that call.
+TESTS_OPTIONS = {"default": {}, "l2norm": dict(l2norm=True), "kimi": dict(l2norm=True, beta_logits=True,
+                                                                           state_v_first=True)}
+
+
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_benchmark_draws_the_tests_numbers_on_its_calls(gate, layout):
+    """The benchmark's own drawing (kda_bench/inputs.draw_call) makes, for each of its calls, the
+    arguments the tests' random_inputs makes for that call, key for key in the same order and bit for
+    bit: the inputs the profiles were measured on, from the one drawing both had before."""
+    calls = [dict(B=2, T=40), dict(B=1, T=100, seqlens=[30, 0, 70], initial_state=True, seed=3)]
+    for call, decay, dtype in itertools.product(calls, DECAYS, (torch.bfloat16, torch.float32)):
+        kw = dict(H=2, K=32, gate=gate, dtype=dtype, decay=decay, device="cpu", **call)
+        ours, theirs = draw_call(layout=layout, **kw), random_inputs(**kw, **TESTS_OPTIONS[layout])
+        assert list(ours) == list(theirs), (call, decay)
+        for name, x in theirs.items():
+            y = ours[name]
+            assert (torch.equal(y, x) and y.dtype == x.dtype) if torch.is_tensor(x) else y == x, (name, call, dtype)
+    assert set(TESTS_OPTIONS) == set(LAYOUTS) and set(bench.CONFIGS.values()) <= set(LAYOUTS)
 
 def test_benchmark_row_says_what_the_state_costs(monkeypatch):
     """With a state, kda_forward is also timed without it, and the row says so; without, n/a."""
@@ -90,9 +113,9 @@ def test_flashkda_rows_time_checkpoints_every_512_tokens(monkeypatch, seqlens):
     for config in ("flashkda", "default"):
         case = bench.Case(B, 1100 if seqlens is None else 100, 2, 64, "safe", -5.0, torch.float32, 0,
                           seqlens=seqlens, config=config)
-        monkeypatch.setattr(bench.Case, "inputs", lambda self: random_inputs(
+        monkeypatch.setattr(bench.Case, "inputs", lambda self: draw_call(
             self.B, self.T, 2, 64, device="cpu", seqlens=self.seqlens, initial_state=True,
-            **bench.CONFIGS[self.config]))
+            layout=bench.CONFIGS[self.config]))
         row = bench.benchmark(case, lambda **a: None, 1, 1, (1e12, 1e12), forward)
         timed = [b for b in buffers if b]
         if config == "flashkda":
@@ -667,8 +690,8 @@ def test_serving_step_row(monkeypatch):
     monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(bench.peers, "flashkda", lambda args: (None, "not here"))
     case = bench.Case(1, 100, 2, 64, "safe", -5.0, torch.float32, 0, seqlens=(30, 70), config="serving")
-    monkeypatch.setattr(bench.Case, "inputs", lambda self: random_inputs(
-        1, 100, 2, 64, device="cpu", seqlens=[30, 70], initial_state=True, **bench.CONFIGS["serving"]))
+    monkeypatch.setattr(bench.Case, "inputs", lambda self: draw_call(
+        1, 100, 2, 64, device="cpu", seqlens=[30, 70], initial_state=True, layout=bench.CONFIGS["serving"]))
     calls = []
     forward = lambda **a: calls.append(sorted(n for n in ("initial_state_indices", "checkpoints") if n in a))
     fla = lambda **a: (None, a["initial_state"] + 1)      # a final state to scatter
@@ -712,8 +735,8 @@ def test_host_decode_rows_make_the_layers_call(monkeypatch):
     FLA's fused_recurrent_kda on the same arguments, with its dispatch set to keep the call (fla) or
     send it to kda_opt (via_fla), and FLA's KDA layer's (via_layer) with kda_opt on."""
     from kda_bench import host
-    real_inputs = host.random_inputs
-    monkeypatch.setattr(host, "random_inputs", lambda *a, **kw: real_inputs(*a, **kw, device="cpu"))
+    real_inputs = host.draw_call
+    monkeypatch.setattr(host, "draw_call", lambda *a, **kw: real_inputs(*a, **kw, device="cpu"))
     seen = []
     fla_ops = types.ModuleType("fla.ops.kda")
     def fused_recurrent_kda(**a):

@@ -232,7 +232,7 @@ class _Recording:
 def _calls():
     """({name: kda_forward's arguments}, {name: kda_decode's}), each drawn anew on every call."""
     from tests.sanitizer_calls import H, K, MIXED, checkpointed, decode_call, pool_call
-    from kda_bench.inputs import random_inputs
+    from inputs import random_inputs
     no_host_copy = lambda a: {n: x for n, x in a.items() if n != "cu_seqlens_cpu"}
     return {
         "dense": lambda: random_inputs(2, 200, H, K, output_final_state=False),

@@ -469,7 +469,7 @@ def test_kernel_compiles_for_sm90_without_spilling(sm90_resources, variant):
 def mixed_call(pool=True, **call):
     """kda_forward's keywords for a packed step of decodes beside prefills (and an empty request):
     Kimi's call on a pool at shuffled slots with has_initial_state, or dense states."""
-    from kda_bench.inputs import random_inputs
+    from inputs import random_inputs
     lens = [1, 130, 1, 64, 0, 1, 7, 1]
     args = random_inputs(1, sum(lens), 2, 128, seqlens=lens, initial_state=True, l2norm=True, beta_logits=True,
                          state_v_first=True, seed=4, **call)
@@ -486,7 +486,7 @@ def mixed_call(pool=True, **call):
 def test_plan_routes_only_packed_one_pass_calls():
     """The prefill plan holds a DecodePlan for its one-token sequences where the call is packed, has
     no checkpoints and the tuning asks; it reads and writes where stage 4 would."""
-    from kda_bench.inputs import random_inputs
+    from inputs import random_inputs
     from kda_opt.plan import Tuning
     routed = Tuning()
     args, _ = mixed_call()

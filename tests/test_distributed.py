@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kda_bench.inputs import random_inputs
+from inputs import random_inputs
 from kda_opt import kda_forward, reference
 from kda_opt.distributed import ReferenceEngine as Reference, kda_forward_cp
 from kda_opt.reference import ERROR_FLOOR

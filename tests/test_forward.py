@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from kda_bench.inputs import GATE_MODES, PER_TOKEN, ill_conditioned_inputs, random_inputs
+from inputs import GATE_MODES, PER_TOKEN, ill_conditioned_inputs, random_inputs
 from kda_opt import kda_forward, reference
 from kda_opt.forward import RUN_TENSORS, run
 from kda_opt.plan import Tuning

@@ -7,7 +7,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import kda_opt  # noqa: F401  registers the op
-from kda_bench.inputs import random_inputs
+from inputs import random_inputs
 from kda_opt import kda_forward
 from tests.conftest import cuda_build, gpu
 

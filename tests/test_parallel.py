@@ -5,7 +5,7 @@ segments is in tests/test_plan.py."""
 import pytest
 import torch
 
-from kda_bench.inputs import random_inputs
+from inputs import random_inputs
 from kda_opt import kda_forward, merge
 from kda_opt.plan import Tuning, cut_sequences
 from kda_opt.reference import ERROR_FLOOR, reference_forward

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from kda_bench.inputs import PER_TOKEN, random_inputs
+from inputs import PER_TOKEN, random_inputs
 from kda_opt import kda_forward
 from kda_opt.tables import piece_tables
 from kda_opt.seqs import RANK_MAX

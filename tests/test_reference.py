@@ -110,7 +110,7 @@ def test_agrees_with_fla_naive(T):
 
 
 def test_reference_forward_methods_agree():
-    from kda_bench.inputs import random_inputs
+    from inputs import random_inputs
     args = random_inputs(2, 70, 2, 16, HV=4, gate="softplus", dtype=torch.float32, device="cpu", initial_state=True)
     o_r, s_r = ref.reference_forward(**args)
     o_c, s_c = ref.reference_forward(**args, method="chunked")
@@ -119,7 +119,7 @@ def test_reference_forward_methods_agree():
 
 def test_packed_sequences_equal_a_batch():
     """cu_seqlens over N sequences of one length gives what a batch of N gives: o, and each state."""
-    from kda_bench.inputs import random_inputs
+    from inputs import random_inputs
     batch = random_inputs(3, 70, 2, 16, HV=4, gate="softplus", dtype=torch.float32, device="cpu", initial_state=True)
     flat = lambda x: x.reshape(1, -1, *x.shape[2:])
     cu = torch.tensor([0, 70, 140, 210])
@@ -131,7 +131,7 @@ def test_packed_sequences_equal_a_batch():
 
 
 def test_packed_empty_sequence_passes_its_state_through():
-    from kda_bench.inputs import random_inputs
+    from inputs import random_inputs
     args = random_inputs(1, 9, 1, 16, dtype=torch.float32, device="cpu", seqlens=[4, 0, 5], initial_state=True)
     o, s = ref.reference_forward(**args)
     assert o.shape[1] == 9 and torch.equal(s[1], args["initial_state"][1].double())
@@ -150,7 +150,7 @@ def test_chunked_form_continues_across_a_cut(cut):
 
 
 def test_l2norm_in_kernel_is_normalising_before():
-    from kda_bench.inputs import random_inputs
+    from inputs import random_inputs
     args = random_inputs(1, 20, 2, 16, dtype=torch.float32, device="cpu", l2norm=True)
     o, _ = ref.reference_forward(**args)
     normed = {**args, "use_qk_l2norm_in_kernel": False,
@@ -163,7 +163,7 @@ def test_l2norm_in_kernel_is_normalising_before():
 def test_beta_logits_and_state_layout(neg_eigval):
     """use_beta_sigmoid_in_kernel / allow_neg_eigval: β = (1 or 2)·sigmoid(beta); state_v_first: the
     states transposed, [N, HV, V, K], on the way in and out."""
-    from kda_bench.inputs import random_inputs
+    from inputs import random_inputs
     args = random_inputs(2, 30, 2, 16, V=8, dtype=torch.float32, device="cpu", initial_state=True)
     o, s = ref.reference_forward(**args)
     logits = torch.logit(args["beta"].double() / (2.0 if neg_eigval else 1.0))

@@ -6,7 +6,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import kda_opt  # noqa: F401  registers the ops
-from kda_bench.inputs import random_inputs
+from inputs import random_inputs
 from kda_opt import kda_forward
 from kda_opt.calls import arguments_of
 from kda_opt.forward import RUN_TENSORS, run

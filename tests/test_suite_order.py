@@ -4,6 +4,8 @@ import pathlib
 import subprocess
 import sys
 
+import suite_record
+
 ROOT = pathlib.Path(__file__).parents[1]
 
 
@@ -22,9 +24,6 @@ def test_listed_tests_first_in_the_files_order(tmp_path):
     assert collected("--longest-first", str(listed), "tests/test_seqs.py") == first + [t for t in plain
                                                                                        if t not in first]
 
-
-sys.path.insert(0, str(ROOT / "scripts"))
-import suite_record  # noqa: E402
 
 FILES = ["tests/test_a.py", "tests/test_b.py", "tests/test_c.py"]
 

@@ -14,17 +14,16 @@ import time
 
 import torch
 
-from .inputs import random_inputs
+from .inputs import draw_call
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
-# Call configurations: how random_inputs draws the arguments every system gets.
+# Call configurations (--config) → the layout of the arguments every system gets (inputs.LAYOUTS).
 CONFIGS = {
-    "default": {},
-    "l2norm": dict(l2norm=True),                                            # Kimi-Linear's layer
-    "flashkda": dict(l2norm=True, beta_logits=True, state_v_first=True),    # FlashKDA's only one
-    # Kimi-Linear's call with a state pool: the serving step (kda_bench/serving)
-    "serving": dict(l2norm=True, beta_logits=True, state_v_first=True),
+    "default": "default",
+    "l2norm": "l2norm",         # Kimi-Linear's layer
+    "flashkda": "kimi",         # FlashKDA's only one
+    "serving": "kimi",          # Kimi-Linear's call with a state pool: the serving step (kda_bench/serving)
 }
 NOT_RUN = "n/a"  # a cell with no measurement: a system that cannot make the call, a time the row does not take
 # host_ms: calls per timed run of a system, and runs per system (the median kept).
@@ -37,7 +36,7 @@ class Case:
     T: int               # tokens: with seqlens, their sum
     H: int
     K: int
-    gate: str            # "safe", "softplus" or "preactivated" (see inputs.GATE_MODES)
+    gate: str            # "safe", "softplus" or "preactivated" (see inputs.GATES)
     lower_bound: float
     dtype: torch.dtype
     seed: int
@@ -83,10 +82,10 @@ class Case:
         return dataclasses.replace(self, T=T, seqlens=seqlens)
 
     def inputs(self, **kw):
-        """kda_forward's keyword arguments for this case; kw overrides random_inputs' (e.g. initial_state)."""
-        kw = {"initial_state": self.initial_state, "decay": self.decay, **CONFIGS[self.config], **kw}
-        args = random_inputs(self.B, self.T, self.H, self.K, gate=self.gate, dtype=self.dtype, seed=self.seed,
-                             seqlens=self.seqlens, **kw)
+        """kda_forward's keyword arguments for this case; kw overrides draw_call's (e.g. initial_state)."""
+        kw = {"initial_state": self.initial_state, "decay": self.decay, "layout": CONFIGS[self.config], **kw}
+        args = draw_call(self.B, self.T, self.H, self.K, gate=self.gate, dtype=self.dtype, seed=self.seed,
+                         seqlens=self.seqlens, **kw)
         if "lower_bound" in args:
             args["lower_bound"] = self.lower_bound
         return args

@@ -25,7 +25,7 @@ import torch
 
 from . import peers
 from .common import NOT_RUN, graph_ms, host_ms, medians_in_turns, planned_call, progress, show, write_rows
-from .inputs import random_inputs
+from .inputs import draw_call
 
 K = 128
 REQUESTS, HEADS = (1, 8, 64, 256, 1024), (8, 32, 96)
@@ -34,7 +34,6 @@ MIXED = [(256, (2048, 1024, 512), 32), (128, (4096,), 96)]             # (decode
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FIELDS = ["mode", "requests", "H", "tokens_per_request", "prefill_tokens", "state_dtype", "kda_opt_ms", "fla_ms",
           "flashkda_ms", "floor_ms", "pct_of_floor", "kda_opt_graph_ms", "kda_opt_host_ms", "kda_opt_stage4_ms"]
-KIMI = dict(l2norm=True, beta_logits=True, state_v_first=True)
 GRAPH_CALLS = 20            # steps per CUDA graph in kda_opt_graph_ms (its time per step)
 
 
@@ -69,7 +68,7 @@ def serving_call(requests, H, tokens, prefills, state_dtype, seed=0):
     tokens, then the prefills, packed; a pool of 2·N·tokens + 8 rows (2N + 8 for one token each) at
     shuffled slots (int32)."""
     lens = (tokens,) * requests + tuple(prefills)
-    args = random_inputs(1, sum(lens), H, K, seqlens=lens, seed=seed, **KIMI)
+    args = draw_call(1, sum(lens), H, K, seqlens=lens, seed=seed, layout="kimi")
     N, rows = len(lens), 2 * len(lens) * tokens + 8
     gen = torch.Generator().manual_seed(seed)
     pool = torch.randn(rows, H, K, K, generator=gen).to("cuda", STATE_DTYPES[state_dtype])

@@ -27,7 +27,7 @@ from kda_opt import fla_backend
 
 from . import peers, serving
 from .common import NOT_RUN, Case, graph_ms, host_ms, progress, show, system, write_rows
-from .inputs import random_inputs
+from .inputs import draw_call
 
 H, K = 32, 128
 # (row name, Case fields, what the call adds to the case's arguments): every configuration the
@@ -74,8 +74,7 @@ def through_fla(function, args) -> dict:
 def decode_calls(B: int, packed: bool, kda_decode) -> dict:
     """{system: call} for a decode row: kda_decode, and FLA's fused_recurrent_kda (own and via_fla)."""
     from fla.ops.kda import fused_recurrent_kda
-    a = random_inputs(B, 1, H, K, gate="softplus", l2norm=True, beta_logits=True, state_v_first=True,
-                      initial_state=True)
+    a = draw_call(B, 1, H, K, gate="softplus", layout="kimi", initial_state=True)
     args = {n: a[n] for n in ("q", "k", "v", "g", "beta", "initial_state", "use_qk_l2norm_in_kernel",
                               "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "state_v_first")}
     args.update(A_log=a["A_log"].bfloat16(), dt_bias=a["dt_bias"].bfloat16(), output_final_state=True)

@@ -1,90 +1,83 @@
-"""Random, non-zero inputs for kda_forward in each gate mode: shared by the tests, the benchmark
-and the profiling driver, so all three exercise the same function."""
+"""The benchmark's inputs: kda_forward's keyword arguments for the calls it times, and for those only
+(draw_call). Case.inputs draws them for every mode's rows and so for the profiling drivers
+(scripts/run_profile.py, scripts/bench_stages.py); --test host's decode rows and --test decode's
+steps call draw_call themselves. The benchmark's calls have K = V and as many value heads as query
+heads, a gate mode of GATES, a decay of DECAYS and an argument layout of LAYOUTS (common.CONFIGS
+names one per --config).
+
+A case's numbers are those the profiles in profiles/ were measured on: one seeded generator draws
+k, q, v, g ~ N(0, 1), β ~ U(0, 1), then what the gate mode takes (g anew for the preactivated gate;
+A_log, dt_bias), then the initial state, in that order. The tests draw theirs, the benchmark's calls
+among many others, with tests/inputs.py: tests/test_bench.py holds the two equal on these calls."""
 import torch
 
-# name → kda_forward gate arguments (A_log / dt_bias are drawn when the mode uses them)
-GATE_MODES = {
-    "safe": dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0),          # the default call
-    "safe_no_A": dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0),     # A_log None
-    "softplus": dict(use_gate_in_kernel=True),                                        # unbounded decay
-    "preactivated": dict(use_gate_in_kernel=False),                                   # g is a ≤ 0
+# The gate modes the benchmark times (Case.gate) → kda_forward's gate arguments.
+GATES = {
+    "safe": dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0),    # the default call
+    "softplus": dict(use_gate_in_kernel=True),                                  # unbounded decay
+    "preactivated": dict(use_gate_in_kernel=False),                             # g: the log-decay, in (−1, 0]
 }
+# --decay → dt_bias [H·K] (docs/DESIGN.md, How speed is measured; A_log = log U(1, 16) either way, as the
+# Kimi layer initialises it): "fast" ~ N(0, 1), the fast-forgetting channels of a trained gate, or
+# "layer" softplus⁻¹(U(0.001, 0.1)), as the layer initialises it (slow decay).
+DT_BIAS = {
+    "fast": lambda draws, n: draws.normal(n),
+    "layer": lambda draws, n: draws.uniform(0.001, 0.1, n).expm1().log(),
+}
+DECAYS = tuple(DT_BIAS)
+# A layout → the flags of kda_forward's call: k drawn unit-norm per head, as the Kimi layer feeds it
+# (default); q and k normalised in kernel (l2norm); the Kimi layer's call, FlashKDA's only one (kimi):
+# l2norm, β passed as logit(β), the state V-first [N, H, V, K].
+KIMI = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=True)
+LAYOUTS = {"default": {}, "l2norm": dict(use_qk_l2norm_in_kernel=True), "kimi": KIMI}
 
 
-# How fast the gate forgets (docs/DESIGN.md, How speed is measured): A_log = log U(1, 16) as the Kimi layer initialises it (FLA's
-# KimiDeltaAttention: A = exp(A_log) ∈ [1, 16]), g ~ N(0, 1), and dt_bias either
-#   "fast":  ~ N(0, 1), the fast-forgetting channels of a trained gate (per-token log-decay of
-#            order 1–10 in the fastest channels with the softplus gate), or
-#   "layer": softplus⁻¹(U(0.001, 0.1)), as the layer initialises it (slow decay).
-DECAYS = ("fast", "layer")
-# kda_forward's arguments with a row per token.
-PER_TOKEN = ("q", "k", "v", "g", "beta")
+class Draws:
+    """The numbers of one call, from one generator seeded with `seed` on the device `on`: the CPU's
+    (the same inputs on any machine) or a GPU's (fast enough for cp's millions of tokens; the same
+    on every GPU of one kind)."""
+
+    def __init__(self, seed, on):
+        self.on, self.generator = on, torch.Generator(device=on).manual_seed(seed)
+
+    def normal(self, *shape):
+        return torch.randn(*shape, generator=self.generator, device=self.on)
+
+    def unit(self, *shape):
+        return torch.rand(*shape, generator=self.generator, device=self.on)
+
+    def uniform(self, low, high, *shape):
+        return torch.empty(*shape, device=self.on).uniform_(low, high, generator=self.generator)
 
 
-def random_inputs(B, T, H, K, V=None, HV=None, gate="safe", dtype=torch.bfloat16, device="cuda",
-                  seed=0, initial_state=False, output_final_state=True, seqlens=None, l2norm=False,
-                  beta_logits=False, state_v_first=False, decay="fast", draw_on="cpu"):
-    """kda_forward keyword arguments: q, v, g ~ N(0, 1), k unit-norm per head (as the Kimi layer
-    feeds it), β ~ U(0, 1), A_log and dt_bias as `decay` says (DECAYS), initial state ~ N(0, 1) if
-    asked. seqlens: pack sequences of these lengths along T (B = 1, T = their sum), with cu_seqlens
-    on the device and cu_seqlens_cpu. l2norm: q and k ~ N(0, 1) normalised in kernel
-    (use_qk_l2norm_in_kernel). beta_logits: beta as logits, logit(β), sigmoid in kernel.
-    state_v_first: the initial state [N, HV, V, K] (state_v_first=True). draw_on: the device whose
-    generator draws the numbers (the CPU's: the same inputs on any machine; a GPU's: fast enough
-    for millions of tokens, the same on every GPU of one kind)."""
-    V, HV = V or K, HV or H
-    if seqlens is not None and (B != 1 or sum(seqlens) != T):
-        raise ValueError(f"seqlens {seqlens} need B = 1 and T = their sum, got B={B}, T={T}")
-    if decay not in DECAYS:
-        raise ValueError(f"decay must be one of {DECAYS}, got {decay!r}")
-    gen = torch.Generator(device=draw_on).manual_seed(seed)
-    randn = lambda *s: torch.randn(*s, generator=gen, device=draw_on)
-    uniform = lambda lo, hi, *s: torch.empty(*s, device=draw_on).uniform_(lo, hi, generator=gen)
-    k = randn(B, T, H, K)
-    args = dict(
-        q=randn(B, T, H, K), k=k if l2norm else k / k.norm(dim=-1, keepdim=True), v=randn(B, T, HV, V),
-        g=randn(B, T, HV, K), beta=torch.rand(B, T, HV, generator=gen, device=draw_on),
-        output_final_state=output_final_state, **GATE_MODES[gate],
-    )
-    if l2norm:
-        args["use_qk_l2norm_in_kernel"] = True
-    if beta_logits:
-        args.update(beta=torch.logit(args["beta"], eps=1e-6), use_beta_sigmoid_in_kernel=True)
-    if state_v_first:
-        args["state_v_first"] = True
+def draw_call(B, T, H, K, gate="safe", dtype=torch.bfloat16, seed=0, seqlens=None, layout="default",
+              initial_state=False, decay="fast", device="cuda", draw_on="cpu"):
+    """kda_forward's keyword arguments for one of the benchmark's calls, on `device`: B sequences of T
+    tokens, or `seqlens` packed along T (B = 1, T their sum; cu_seqlens and cu_seqlens_cpu), H heads
+    with K = V; q, k, v, g and β in dtype, the gate parameters fp32; the final state asked for, an
+    initial state [N, H, K, K] fp32 ~ N(0, 1) passed if `initial_state`. Drawn on `draw_on` (Draws)."""
+    mode, flags, dt_bias = GATES[gate], LAYOUTS[layout], DT_BIAS[decay]
+    if seqlens is not None and (B, T) != (1, sum(seqlens)):
+        raise ValueError(f"packed sequences {seqlens} make B = 1 and T = {sum(seqlens)}, not B={B}, T={T}")
+    draws = Draws(seed, draw_on)
+    k, q, v, g = (draws.normal(B, T, H, K) for _ in range(4))
+    beta = draws.unit(B, T, H)
+    if not flags.get("use_qk_l2norm_in_kernel"):
+        k = k / k.norm(dim=-1, keepdim=True)
+    if flags.get("use_beta_sigmoid_in_kernel"):
+        beta = torch.logit(beta, eps=1e-6)
     if gate == "preactivated":
-        args["g"] = -torch.rand(B, T, HV, K, generator=gen, device=draw_on)  # log-decay in (−1, 0]
-    if gate in ("safe", "softplus"):
-        args["A_log"] = uniform(1.0, 16.0, HV).log()
+        g = -draws.unit(B, T, H, K)
+    tokens = dict(q=q, k=k, v=v, g=g, beta=beta)
+    args = {n: x.to(device, dtype) for n, x in tokens.items()}
+    args.update(output_final_state=True, **mode, **flags)
+    fp32 = lambda x: x.to(device, torch.float32)
     if gate != "preactivated":
-        args["dt_bias"] = randn(HV * K) if decay == "fast" else uniform(0.001, 0.1, HV * K).expm1().log()
-    N = B
+        args["A_log"] = fp32(draws.uniform(1.0, 16.0, H).log())
+        args["dt_bias"] = fp32(dt_bias(draws, H * K))
     if seqlens is not None:
-        N = len(seqlens)
-        args["cu_seqlens_cpu"] = torch.tensor([0, *seqlens]).cumsum(0)  # int64, as FLA documents it
-        args["cu_seqlens"] = args["cu_seqlens_cpu"].to(device)
+        ends = torch.tensor([0, *seqlens]).cumsum(0)        # int64, as FLA documents cu_seqlens
+        args.update(cu_seqlens_cpu=ends, cu_seqlens=ends.to(device))
     if initial_state:
-        args["initial_state"] = randn(N, HV, V, K) if state_v_first else randn(N, HV, K, V)
-    low_precision = ("q", "k", "v", "g", "beta")
-    return {n: (x.to(device, dtype if n in low_precision else torch.float32)
-                if isinstance(x, torch.Tensor) and x.is_floating_point() else x) for n, x in args.items()}
-
-
-def ill_conditioned_inputs(B, T, H, K, gate="safe", neg_eigval=False, spread=0.05, seed=0, seqlens=None,
-                           device="cuda", dtype=torch.bfloat16):
-    """random_inputs (with an initial state) made ill-conditioned chunk by chunk: the keys of each
-    64-token chunk near-collinear (one direction per chunk and head, plus spread · N(0, 1), then
-    normalised), and β at its top: in (0.98, 1], or with neg_eigval in (1.96, 2] (beta as logits,
-    allow_neg_eigval). Then I + Akk is far from I and its inverse's terms do not decay."""
-    args = random_inputs(B, T, H, K, gate=gate, dtype=dtype, device=device, seed=seed, initial_state=True,
-                         seqlens=seqlens, beta_logits=neg_eigval)
-    gen = torch.Generator(device="cpu").manual_seed(seed + 1)
-    chunks = -(-T // 64)
-    direction = torch.randn(B, chunks, 1, H, K, generator=gen).expand(B, chunks, 64, H, K).reshape(B, -1, H, K)
-    k = torch.nn.functional.normalize(direction[:, :T] + spread * torch.randn(B, T, H, K, generator=gen), dim=-1)
-    top = 0.02 * torch.rand(args["beta"].shape, generator=gen)
-    beta = torch.logit(1 - top / 2, eps=1e-7) if neg_eigval else 1 - top
-    args.update(k=k.to(device, dtype), beta=beta.to(device, dtype))
-    if neg_eigval:
-        args["allow_neg_eigval"] = True
+        args["initial_state"] = fp32(draws.normal(B if seqlens is None else len(seqlens), H, K, K))
     return args
