@@ -8,8 +8,7 @@ import operator
 
 import torch
 
-from .options import CHUNK, SAFE_LOWER_BOUND, in_safe_range, state_shape
-from .wuso import INT32_MAX
+from .options import CHUNK, INT32_MAX, SAFE_LOWER_BOUND, in_safe_range, state_shape
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # q, k, v; and the initial state
 SUPPORTED_HEAD_DIMS = (64, 128)  # K and V each; FLA also takes 256, which stage 2's registers cannot hold

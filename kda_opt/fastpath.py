@@ -6,7 +6,7 @@ public call stands in, at the host time of the public call (docs/USAGE.md, "What
     torch._C's raw current stream                      torch.cuda.current_stream().cuda_stream
     Triton's compiled kernel's launcher (run's         fn[grid](...) through the JIT on every launch
     argument list), kernels kept per plan
-    cuTile's calling convention, a specialisation      ct.launch; calls are not bound (kda_opt/bound
+    cuTile's calling convention, a specialisation      ct.launch; calls are not replayed (kda_opt/replay
     exported and launched through the CUDA driver      replays through this and Triton's launcher)
     (CutileReplay)
 
@@ -73,7 +73,7 @@ class ReplayError(Exception):
 
 class CutileReplay:
     """A recorded cuTile launch made again on other addresses through the CUDA driver (cuLaunchKernel),
-    for kda_opt/bound's replays. ct.launch reads every array argument's metadata and finds the
+    for kda_opt/replay's replays. ct.launch reads every array argument's metadata and finds the
     kernel's specialisation for it on each launch; here the specialisation of the recorded launch's
     arguments (what ct.launch compiled for them) is compiled once through cuda.tile.compilation's
     export, and its parameters packed once as the cutile_python_v2 calling convention lays them out

@@ -17,12 +17,12 @@ import importlib
 
 import torch
 
-from . import decode, forward, plan
+from . import decode, decode_plan, engines, forward
+from .arguments import DecodeArguments
 from .checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, batch_entry_extent
-from .options import CHUNK
-from .plan import decode_checks
+from .decode_plan import decode_checks
+from .options import CHUNK, INT32_MAX
 from .seqs import sequence_counts
-from .wuso import INT32_MAX
 
 # chunk_kda's keywords past its named parameters that kda_opt takes; any other keyword is left to FLA.
 EXTRA_KEYWORDS = ("A_log", "dt_bias", "chunk_size", "transpose_state_layout", "initial_state_indices",
@@ -67,7 +67,7 @@ def _taken(q, backend) -> bool:
     """Whether kda_opt may take a call at all, as FLA's dispatch would let it: the backend enabled
     (FLA_KDA_OPT, read on every call), q on Hopper, and not inside torch.compile's tracing (FLA's
     dispatch runs outside it; its function then dispatches as it does)."""
-    return not torch.compiler.is_compiling() and backend.is_enabled() and _on_hopper(q.device)
+    return not torch.compiler.is_compiling() and backend.is_enabled() and engines.on_hopper(q.device)
 
 
 def direct_chunk_kda(own):
@@ -91,7 +91,7 @@ def direct_chunk_kda(own):
 
 def direct_fused_recurrent_kda(own):
     """FLA's KDA layer's fused_recurrent_kda: the calls kda_decode takes (its checks, once per
-    signature: plan.decode_plan_for) run it without FLA's dispatch, the signature read once; the
+    signature: decode_plan.decode_plan_for) run it without FLA's dispatch, the signature read once; the
     others run own, FLA's fused_recurrent_kda."""
     backend = _decode_backend_class()()
 
@@ -106,9 +106,9 @@ def direct_fused_recurrent_kda(own):
                      use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
                      lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens)
         if not kwargs and _taken(q, backend):
-            arguments = {**named, **DECODE_SERVING}
+            arguments = DecodeArguments(**named)      # kda_decode's serving arguments at their defaults
             try:
-                entry = plan.decode_plan_for(arguments)
+                entry = decode_plan.decode_plan_for(arguments)
             except Exception:             # kda_decode refuses it: FLA's own path decides, as after a verifier
                 entry = None
             if entry is not None:
@@ -116,19 +116,6 @@ def direct_fused_recurrent_kda(own):
         return own(**named, **kwargs)
     fused_recurrent_kda.fla_own = own
     return fused_recurrent_kda
-
-
-# kda_decode's serving arguments as FLA's fused_recurrent_kda passes them on (none of them).
-DECODE_SERVING = dict(inplace_final_state=False, ssm_state_indices=None, num_accepted_tokens=None, out=None,
-                      pad_slot=None, intermediate_states_buffer=None, intermediate_state_indices=None,
-                      retrieve_parent_token=None)
-
-
-@functools.cache
-def _on_hopper(device: torch.device) -> bool:
-    """Whether the device is a CUDA GPU of compute capability 9.x, the only one kda_opt runs on (asked
-    of the driver once per device: every verified call asks)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 @functools.cache
@@ -164,7 +151,7 @@ def _backend_class():
                 wants_grad = [name for name, x in tensors.items() if x is not None and x.requires_grad]
                 if wants_grad:
                     return False, f"forward only: {wants_grad[0]} requires grad"
-            if not _on_hopper(q.device):
+            if not engines.on_hopper(q.device):
                 return False, f"needs a CUDA GPU of compute capability 9.x, q is on {q.device}"
             if q.dtype not in SUPPORTED_DTYPES:
                 return False, f"q's dtype {q.dtype} is not bf16, fp16 or fp32"
@@ -201,62 +188,21 @@ def _backend_class():
                     cu_seqlens_cpu = cu_seqlens.cpu()   # the rows' count: a synchronisation, as in FLA's own path
                 B, T = q.shape[:2]
                 rows = B * -(-T // CHUNK) if cu_seqlens_cpu is None else sequence_counts(cu_seqlens_cpu, False).chunks
-                h, passed["checkpoints"] = intermediate_states(v, q.shape[-1], rows, state_v_first, k.dtype)
-            # chunk_kda's arguments that kda_forward takes, by their (shared) names, and those passed on.
-            given = locals()
-            named = {n: x for n, x in given.items() if n in forward.PARAMETERS}
+                h, passed["checkpoints"] = engines.intermediate_states(v, q.shape[-1], rows, state_v_first, k.dtype)
             # Looked up through the module at each call, so that tests can stand in for kda_forward.
-            o, final = forward.kda_forward(**named, **passed)
+            o, final = forward.kda_forward(
+                q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                A_log=A_log, dt_bias=dt_bias, safe_gate=safe_gate, lower_bound=lower_bound,
+                state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, **passed)
             if not return_intermediate_states:
                 return o, final
-            first_rows(h, initial_state, kwargs.get("has_initial_state"), cu_seqlens)
+            engines.first_rows(h, initial_state, kwargs.get("has_initial_state"), cu_seqlens)
             return o, final, h
 
     return KdaOptBackend
-
-
-def intermediate_states(v, K: int, rows: int, v_first: bool, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, checkpoints): FLA's intermediate states h [B, rows / B, HV, K, V] ([..., V, K] V-first) of
-    `dtype`, row j of a sequence its state before its chunk j (rows: B · cdiv(T, 64); packed, B = 1,
-    Σ_n cdiv(len_n, 64), sequence n's rows from Σ_{m<n} cdiv(len_m, 64), or more: the rows past the
-    last sequence's are left as they are), and the buffer kda_forward writes its checkpoints into: the
-    same storage one row on, so that the state after chunk j lands in the row before chunk j + 1. Each
-    sequence's last checkpoint lands in the next sequence's first row (or a spare row past h), which
-    first_rows then writes."""
-    B, _, HV, V = v.shape
-    row = (V, K) if v_first else (K, V)
-    flat = v.new_empty((rows + 1, HV, *row), dtype=dtype)
-    return flat[:rows].view(B, rows // B, HV, *row), flat[1:].view(B, rows // B, HV, *row)
-
-
-def first_rows(h: torch.Tensor, initial_state, has_initial_state, cu_seqlens) -> None:
-    """Writes each sequence's row before its first chunk in h (intermediate_states): its initial
-    state in h's dtype, zeros without one (or where has_initial_state is false)."""
-    starts = None if initial_state is None else initial_state.to(h.dtype)
-    if starts is not None and has_initial_state is not None:
-        starts = torch.where(has_initial_state.view(-1, 1, 1, 1), starts, 0)
-    if cu_seqlens is None:
-        h[:, 0] = 0 if starts is None else starts
-        return
-    whole, first = spare_rows(h), sequence_rows(cu_seqlens, h.shape[1])
-    if starts is None:
-        whole.index_fill_(0, first, 0)
-    else:
-        whole.index_copy_(0, first, starts)
-
-
-def spare_rows(h: torch.Tensor) -> torch.Tensor:
-    """h [1, rows, ...] (intermediate_states, packed) as [rows + 1, ...]: its rows and the spare row
-    past them."""
-    return h.as_strided((h.shape[1] + 1, *h.shape[2:]), h.stride()[1:])
-
-
-def sequence_rows(cu_seqlens: torch.Tensor, rows: int) -> torch.Tensor:
-    """[N]: packed sequence n's first row of intermediate states, Σ_{m<n} cdiv(len_m, 64), counted on
-    the device; `rows` (the spare row) for a sequence of no token, which has none."""
-    lengths = cu_seqlens.diff()
-    chunks = lengths.add(CHUNK - 1).div(CHUNK, rounding_mode="floor")
-    return torch.where(lengths > 0, chunks.cumsum(0) - chunks, rows)
 
 
 @functools.cache
@@ -274,42 +220,45 @@ def _decode_backend_class():
         default_enable = True
         priority = 2
 
-        def fused_recurrent_kda_fwd_verifier(self, q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None,
-                                             scale=None, output_final_state=False, inplace_final_state=True,
-                                             state_v_first=False, cu_seqlens=None, ssm_state_indices=None,
-                                             num_accepted_tokens=None, use_qk_l2norm_in_kernel=False,
-                                             use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-                                             allow_neg_eigval=False, lower_bound=None, out=None,
-                                             **kwargs) -> tuple[bool, str | None]:
-            """(True, None) if kda_decode takes the call, else (False, the reason): kda_decode's own
-            checks (an error is the reason), on Hopper, but FLA's per-token final states (indices
-            without inplace_final_state, with output_final_state)."""
-            if kwargs:
-                return False, f"unknown keyword {next(iter(kwargs))}"
-            if not _on_hopper(q.device):
-                return False, f"needs a CUDA GPU of compute capability 9.x, q is on {q.device}"
-            if ssm_state_indices is not None and output_final_state and not inplace_final_state:
-                return False, "per-token final states (ssm_state_indices, output_final_state, not in place)"
-            decode_checks(_decode_arguments(locals()))
+        def fused_recurrent_kda_fwd_verifier(self, *args, **kwargs) -> tuple[bool, str | None]:
+            """(True, None) if kda_decode takes the call (fused_recurrent_kda_fwd's arguments), else
+            (False, the reason): kda_decode's own checks (an error is the reason), on Hopper, but FLA's
+            per-token final states (indices without inplace_final_state, with output_final_state)."""
+            arguments, reason = _decode_arguments(*args, **kwargs)
+            if reason is not None:
+                return False, reason
+            if not engines.on_hopper(arguments.q.device):
+                return False, f"needs a CUDA GPU of compute capability 9.x, q is on {arguments.q.device}"
+            decode_checks(arguments)
             return True, None
 
-        def fused_recurrent_kda_fwd(self, q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None,
-                                    scale=None, output_final_state=False, inplace_final_state=True,
-                                    state_v_first=False, cu_seqlens=None, ssm_state_indices=None,
-                                    num_accepted_tokens=None, use_qk_l2norm_in_kernel=False,
-                                    use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-                                    allow_neg_eigval=False, lower_bound=None, out=None, **kwargs):
+        def fused_recurrent_kda_fwd(self, *args, **kwargs):
             """kda_decode on fused_recurrent_kda_fwd's arguments; returns (o, final_state) as it does."""
-            return decode.kda_decode(**_decode_arguments(locals()))
+            arguments, _ = _decode_arguments(*args, **kwargs)
+            return decode.kda_decode(**arguments._asdict())
 
     return KdaOptDecodeBackend
 
 
-def _decode_arguments(call: dict) -> dict:
-    """fused_recurrent_kda_fwd's arguments (its locals) as kda_decode's keywords, every one (those FLA
-    has not: DECODE_SERVING's): in place wins over output_final_state, as in FLA."""
-    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "scale", "state_v_first", "cu_seqlens",
-             "ssm_state_indices", "num_accepted_tokens", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
-             "use_beta_sigmoid_in_kernel", "allow_neg_eigval", "lower_bound", "out", "inplace_final_state")
-    return {**DECODE_SERVING, **{n: call[n] for n in names},
-            "output_final_state": call["output_final_state"] and not call["inplace_final_state"]}
+def _decode_arguments(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, scale=None,
+                      output_final_state=False, inplace_final_state=True, state_v_first=False, cu_seqlens=None,
+                      ssm_state_indices=None, num_accepted_tokens=None, use_qk_l2norm_in_kernel=False,
+                      use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                      lower_bound=None, out=None, **kwargs) -> tuple[DecodeArguments, str | None]:
+    """fused_recurrent_kda_fwd's arguments (its signature, FLA 0.6.0's) as kda_decode's, and why
+    kda_decode does not take them as FLA computes them (None: it may): an unknown keyword, or per-token
+    final states (indices, output_final_state, not in place). In place wins over output_final_state,
+    as in FLA; kda_decode's arguments FLA has not stay at their defaults."""
+    reason = None
+    if kwargs:
+        reason = f"unknown keyword {next(iter(kwargs))}"
+    elif ssm_state_indices is not None and output_final_state and not inplace_final_state:
+        reason = "per-token final states (ssm_state_indices, output_final_state, not in place)"
+    return DecodeArguments(
+        q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state and not inplace_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        inplace_final_state=inplace_final_state, ssm_state_indices=ssm_state_indices,
+        num_accepted_tokens=num_accepted_tokens, out=out), reason

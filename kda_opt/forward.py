@@ -9,11 +9,12 @@ Pipeline) launched on the current stream.
                                               q/k norms for l2norm)
     order    = longest_first(cu_seqlens)      packed, stage 4 in waves: its programs' order (kda_opt/seqs)
     o, S     = wuso(q, k, v, Γ, Tm, Aqk, S0)  stage 4, cuTile   (kda_opt/wuso)
-The call's plan is made once per call signature (kda_opt/plan.plan_for), with a table of its compiled
-Triton kernels, launched without the JIT's per-call work (kda_opt/launch); a call the plan does not
-call unbindable is then bound (kda_opt/bound): its launches recorded once and replayed on later calls. Each stage runs through
-`launch`, inside an NVTX range of the `kda_opt` domain where KDA_OPT_NVTX=1 asks for them; nothing
-here waits on the device.
+The call's arguments travel as one record (kda_opt/arguments.ForwardArguments), from which its plan
+is made once per call signature (kda_opt/plan.plan_for), with a table of its compiled Triton kernels,
+launched without the JIT's per-call work (kda_opt/launch); a call whose plan allows it is then
+recorded and replayed (kda_opt/replay): its launches recorded on its signature's second call and
+replayed from the third, unless KDA_OPT_REPLAY=0. Each stage runs through `launch`, inside an NVTX
+range of the `kda_opt` domain where KDA_OPT_NVTX=1 asks for them; nothing here waits on the device.
 
 A call runs in one pass, in time segments or parallel segments, or with its longest packed sequence
 ahead, as kda_opt/plan.schedule_of resolves it once per call (from the plan and, for packed
@@ -21,38 +22,37 @@ sequences, their host copy); `run` dispatches on that, and kda_opt/schedules run
 """
 import contextlib
 import functools
-import inspect
 import math
-import operator
 
 import nvtx
 import torch
 
-from . import bound
-from .calls import arguments_of, traced_as
-from .decode import decode
+from . import replay
+from .arguments import HOST_COPIES, ForwardArguments, traced_as
 from .gate import gate_cumsum
 from .intra import intra_chunk
 from .launch import Kernels, annotated, direct, nvtx_enabled, one_allocation
 from .options import CHUNK
-from .plan import (Ahead, Entry, OnePass, ParallelSegments, Pieces, Plan, TimeSegments, Tuning, make_plan, plan_for,
+from .plan import (Ahead, OnePass, ParallelSegments, Pieces, Plan, TimeSegments, Tuning, make_plan, plan_for,
                    schedule_of, takes_ahead)
+from .plan_cache import Entry
+from .recurrence import decode
 from .schedules import final_states, longest_ahead, parallel, parallel_packed, pipelined
 from .seqs import ahead_layout, block_offsets, longest_first, packed, phased
-from .tables import units
+from .segment_tables import units
 from .wuso import wuso
 
 
-def _traced(arguments: dict):
+def _traced(a: ForwardArguments):
     """kda_forward while torch.compile traces it: one custom op (kda_opt/op), without the host copies
     (the op validates the call when it runs)."""
-    writes = arguments["initial_state_indices"] is not None or arguments["checkpoints"] is not None
+    writes = a.initial_state_indices is not None or a.checkpoints is not None
     op = torch.ops.kda_opt.forward_in_place if writes else torch.ops.kda_opt.forward
-    o, final = op(**{n: x for n, x in arguments.items() if n not in HOST_COPIES})
-    return o, final if arguments["output_final_state"] else None
+    o, final = op(**{n: x for n, x in a._asdict().items() if n not in HOST_COPIES})
+    return o, final if a.output_final_state else None
 
 
-@traced_as(_traced)
+@traced_as(_traced, ForwardArguments)
 def kda_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -209,34 +209,34 @@ def kda_forward(
     length; with B > 1 each batch entry within 2^31 elements (T·HV·max(K, V), and the inputs' and
     checkpoints' batch strides; past it a ValueError says to pack them). Bad inputs raise ValueError
     or TypeError naming the argument before any kernel runs. No host-device synchronisation.
-    ``kda_opt.plan.make_plan(kda_opt.calls.arguments_of(kda_forward, ...))`` takes the same arguments
-    and returns the call's resolved options and launch choices without running it.
+    ``kda_opt.plan.make_plan(kda_opt.arguments.ForwardArguments(q, k, v, g, beta, ...))`` takes the
+    same arguments and returns the call's resolved options and launch choices without running it.
 
     Under torch.compile it is one custom op, ``torch.ops.kda_opt.forward`` (``forward_in_place``,
     which declares the pool and the checkpoints written, when either is given; kda_opt/op), which runs
     this function when the compiled graph runs: the same numbers; the ``*_cpu`` host copies are not
     read there.
     """
-    arguments = dict(locals())      # every argument by name, in the order of this signature: their one list
+    arguments = ForwardArguments(
+        q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, A_log=A_log, dt_bias=dt_bias, safe_gate=safe_gate,
+        lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+        chunk_size=chunk_size, transpose_state_layout=transpose_state_layout,
+        initial_state_indices=initial_state_indices, initial_state_indices_cpu=initial_state_indices_cpu,
+        pad_slot=pad_slot, has_initial_state=has_initial_state, checkpoints=checkpoints,
+        checkpoint_every=checkpoint_every, checkpoint_offsets=checkpoint_offsets)
     entry = plan_for(arguments)
-    if takes_ahead(entry.plan, cu_seqlens_cpu):     # its launches the same for any lengths: bound
+    ahead = takes_ahead(entry.plan, cu_seqlens_cpu)
+    if ahead:       # its launches the same for any lengths: replayed in an entry of their own
         entry.ahead = entry.ahead or Entry(entry.plan)
-        return bound.call(entry.ahead, _INPUTS(arguments), functools.partial(_run, entry.ahead, arguments, ahead=True))
-    return bound.call(entry, _INPUTS(arguments), functools.partial(_run, entry, arguments), entry.plan.unbindable)
-
-
-def _run(entry, arguments: dict, ahead: bool = False):
-    """run() of a call's plan entry on its arguments (kda_forward's, by name); ahead: its longest
-    sequence ahead (plan.takes_ahead)."""
-    return run(entry.plan, *_RUN_INPUTS(arguments), kernels=entry.kernels, ahead=ahead)
-
-
-# The host copies, which the custom op does not take (kda_opt/op): it validates the call when it runs.
-HOST_COPIES = ("cu_seqlens_cpu", "initial_state_indices_cpu")
-PARAMETERS = inspect.signature(kda_forward).parameters   # by name, in order
-# The call's tensors but the host copies, in kda_forward's order: the inputs a bound call replays on.
-_INPUTS = operator.itemgetter(*(n for n, p in PARAMETERS.items() if "Tensor" in str(p.annotation)
-                                and n not in HOST_COPIES))
+        entry = entry.ahead
+    return replay.call(entry, arguments.device_tensors(), lambda: run(
+        entry.plan, q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, A_log=A_log, dt_bias=dt_bias,
+        cu_seqlens=cu_seqlens, initial_state_indices=initial_state_indices, has_initial_state=has_initial_state,
+        checkpoints=checkpoints, checkpoint_offsets=checkpoint_offsets, cu_seqlens_cpu=cu_seqlens_cpu,
+        kernels=entry.kernels, ahead=ahead), None if ahead else entry.plan.not_replayable)
 
 
 def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=None, cu_seqlens=None,
@@ -271,44 +271,50 @@ def run(plan: Plan, q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=No
     with nvtx.annotate("kda_opt/forward", domain="kda_opt") if ranges else contextlib.nullcontext():
         seqs = rows = None
         if plan.checkpoint_offsets:
-            seqs, rows = launch("seqs", phased, cu_seqlens, checkpoint_offsets, plan.T, plan.checkpoint_every, kernels)
+            seqs, rows = launch("seqs", phased, cu_seqlens, first=checkpoint_offsets, T=plan.T,
+                                every=plan.checkpoint_every, kernels=kernels)
         elif plan.packed and not isinstance(schedule, Ahead):        # (Ahead's layouts are its tables)
-            seqs = launch("seqs", packed, cu_seqlens, plan.T, kernels, skip_single=one_pass.routed,
+            seqs = launch("seqs", packed, cu_seqlens, T=plan.T, kernels=kernels, skip_single=one_pass.routed,
                           chunks=None if one_pass.counts is None else one_pass.counts.chunks)
         final = initial_state if plan.state_pool else final_states(plan, v) if plan.output_final_state else None
         if plan.pad_slot is not None:           # the pad slot as a negative one: not read, not written
             initial_state_indices = initial_state_indices.masked_fill(initial_state_indices == plan.pad_slot, -1)
         state = dict(initial_state=initial_state, final_state=final, slots=initial_state_indices,
                      read_slots=plan.state_pool, write_slots=plan.state_pool, has_initial_state=has_initial_state)
-        inputs = (q, k, v, g, beta)
         match schedule:
             case TimeSegments(segments):
-                o = pipelined(plan, segments, *inputs, state, checkpoints, prepare, stage4)
+                o = pipelined(plan, segments, q=q, k=k, v=v, g=g, beta=beta, state=state, checkpoints=checkpoints,
+                              prepare=prepare, stage4=stage4)
             case ParallelSegments(_, tables):
-                o = parallel(plan, tables, *inputs, state, checkpoints, prepare, stage4)
+                o = parallel(plan, tables, q=q, k=k, v=v, g=g, beta=beta, state=state, checkpoints=checkpoints,
+                             prepare=prepare, stage4=stage4)
             case Pieces(_, block_v, tables):
-                o = parallel_packed(plan, tables, block_v, *inputs, seqs, state, checkpoints, prepare, stage4)
+                o = parallel_packed(plan, tables, block_v, q=q, k=k, v=v, g=g, beta=beta, seqs=seqs, state=state,
+                                    checkpoints=checkpoints, prepare=prepare, stage4=stage4)
             case Ahead(segments, block_v, routed):
                 layout = functools.partial(launch, "seqs", ahead_layout, cu_seqlens, plan.T, kernels=kernels,
-                                           skip_single=routed)
-                o = longest_ahead(plan, segments, block_v, *inputs, cu_seqlens, state, routed, prepare, stage4, layout)
+                                           skip_single=routed)     # layout(segments, ...)
+                o = longest_ahead(plan, segments, block_v, q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens,
+                                  state=state, routed=routed, prepare=prepare, stage4=stage4, layout=layout)
             case OnePass(counts, routed, ordered):
                 gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta, seqs)
-                order = launch("seqs", longest_first, cu_seqlens, plan.T, kernels) if ordered else None
+                order = launch("seqs", longest_first, cu_seqlens, T=plan.T, kernels=kernels) if ordered else None
                 o = stage4(q, k, v, gcum, Tm, Aqk, **state, checkpoints=checkpoints, order=order,
                            sequence_counts=counts, checkpoint_rows=rows if rows is not None
                            else _checkpoint_rows(plan, checkpoints, seqs, kernels),
                            checkpoint_first=checkpoint_offsets, cu_seqlens=cu_seqlens, qk_rstd=rstd,
                            beta_residual=r, decoded=routed)
         if isinstance(schedule, (OnePass, Ahead)) and schedule.routed:   # the sequences of one token: o rows, states
-            launch("decode", decode, plan.decode, q, k, v, g, beta, A_log, dt_bias, initial_state, final, cu_seqlens,
-                   initial_state_indices, None, o, has_initial_state, kernels=kernels)
+            launch("decode", decode, plan.decode, q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias,
+                   initial_state=initial_state, final_state=final, cu_seqlens=cu_seqlens, indices=initial_state_indices,
+                   out=o, has_initial_state=has_initial_state, kernels=kernels)
         return o, None if plan.state_pool else final
 
 
-# run's tensor arguments, by kda_forward's names: run(plan, **{n: arguments.get(n) for n in RUN_TENSORS}).
-RUN_TENSORS = tuple(n for n in inspect.signature(run).parameters if n in PARAMETERS)
-_RUN_INPUTS = operator.itemgetter(*RUN_TENSORS)      # in run's order: its positional arguments
+# run's tensor parameters, by kda_forward's names: run(plan, **{n: getattr(a, n) for n in RUN_TENSORS}) on
+# a call's arguments a (the scripts and tests that run a plan of their own; tests hold it to run's signature).
+RUN_TENSORS = ("q", "k", "v", "g", "beta", "initial_state", "A_log", "dt_bias", "cu_seqlens", "initial_state_indices",
+               "has_initial_state", "checkpoints", "checkpoint_offsets", "cu_seqlens_cpu")
 
 
 def _as_read(plan: Plan, q, k, v, g, beta, initial_state, A_log, dt_bias):
@@ -342,23 +348,23 @@ class Prepared:
     TUNING = Tuning(max_segments=1)
 
     def __init__(self, q, k, v, g, beta, scale=None, **options):
-        self.call = arguments_of(kda_forward, q, k, v, g, beta, scale, **options)
+        self.call = ForwardArguments(q, k, v, g, beta, scale, **options)
         plan = make_plan(self.call, tuning=self.TUNING)
-        if plan.initial_state or plan.state_pool or self.call["checkpoints"] is not None:
+        if plan.initial_state or plan.state_pool or self.call.checkpoints is not None:
             raise ValueError("Prepared takes sequences without a state, pool or checkpoints")
-        self.cu_seqlens = self.call["cu_seqlens"] if plan.packed else None
-        q, k, v, g, beta, _, A_log, dt_bias = _as_read(plan, q, k, v, g, beta, None, self.call["A_log"],
-                                                       self.call["dt_bias"])
+        self.cu_seqlens = self.call.cu_seqlens if plan.packed else None
+        q, k, v, g, beta, _, A_log, dt_bias = _as_read(plan, q, k, v, g, beta, None, self.call.A_log,
+                                                       self.call.dt_bias)
         self.inputs = q, k, v, g, beta
         self.made = _stages_1_to_3(plan, annotated if nvtx_enabled() else direct, None, q, k, g, beta,
                                    None if self.cu_seqlens is None else packed(self.cu_seqlens, plan.T),
                                    A_log=A_log, dt_bias=dt_bias)
 
     def ends(self, initial_state=None):
-        plan = make_plan({**self.call, "initial_state": initial_state, "output_final_state": True},
-                         tuning=self.TUNING)
-        return run(plan, *self.inputs, initial_state, cu_seqlens=self.cu_seqlens,
-                   cu_seqlens_cpu=self.call["cu_seqlens_cpu"], made=self.made)
+        plan = make_plan(self.call._replace(initial_state=initial_state, output_final_state=True), tuning=self.TUNING)
+        q, k, v, g, beta = self.inputs
+        return run(plan, q, k, v, g, beta, initial_state=initial_state, cu_seqlens=self.cu_seqlens,
+                   cu_seqlens_cpu=self.call.cu_seqlens_cpu, made=self.made)
 
     def transition(self) -> torch.Tensor:
         plan = make_plan(self.call, tuning=Tuning(parallel=False, max_segments=1))
@@ -393,7 +399,7 @@ def _stages_1_to_3(plan: Plan, launch, kernels, q, k, g, beta, seqs=None, *, A_l
         q.device, ((B, T, plan.HV, plan.K), torch.float32), ((B, T, plan.HV, CHUNK), q.dtype),
         ((B, T, plan.HV, CHUNK), k.dtype), ((B, plan.HV, T), torch.float32) if plan.beta_residual else None,
         ((2, B, H, T), torch.float32) if plan.l2norm else None)   # 1 / ‖q‖, 1 / ‖k‖
-    launch("gate", gate_cumsum, g, plan.gate, A_log, dt_bias, seqs, out=gcum, kernels=kernels)
+    launch("gate", gate_cumsum, g, plan.gate, A_log=A_log, dt_bias=dt_bias, seqs=seqs, out=gcum, kernels=kernels)
     launch("intra", intra_chunk, q, k, gcum, beta, plan.scale, gate_bounded=plan.gate.bounded,
            seqs=seqs, l2norm=plan.l2norm, beta_sigmoid=plan.beta_sigmoid, beta_residual=r, qk_rstd=rstd,
            num_warps=plan.intra_warps, out=(Aqk, Tm), kernels=kernels)

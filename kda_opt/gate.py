@@ -53,7 +53,7 @@ def gate_cumsum_kernel(
 def log_decay(b_x, A_log, dt_bias, i_h, o_k, lower_bound, K: tl.constexpr, MODE: tl.constexpr,
               HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
     """The floored log-decay max(a, floor) of the raw gate b_x [..., BK] (module docstring) of value
-    head i_h at channels o_k [BK]; also kda_opt/decode's."""
+    head i_h at channels o_k [BK]; also kda_opt/recurrence's."""
     if MODE != PREACTIVATED:
         if HAS_BIAS:
             b_x += tl.load(dt_bias + i_h * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)

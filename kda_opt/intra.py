@@ -28,8 +28,8 @@ through the second half's reference (column factors ≤ 1). The same work for ev
 decay rate: no data-dependent path (FLA computes these entries token by token instead).
 
 Precision. bf16 inputs: the row-block products take bf16 operands, Aqk's q rows split as hi + lo
-(two products: Aqk then carries only the column operand's rounding, 1.7e-3 relative before its
-bf16 store, against 2.4e-3 with one rounded q; emulated in float64). fp16 inputs: one tf32 pass (fp16
+(two products: Aqk then carries only the column operand's rounding, not the q row's: docs/BENCHMARKING.md,
+"Precision", gives both errors). fp16 inputs: one tf32 pass (fp16
 stores Aqk 8× finer than bf16, and its range cannot hold the row factor). fp32 inputs: one tf32 pass
 too (three passes, tf32x3, keep o nearer fp32, but the error against float64 with one pass is still
 below FLA's fp32 call's on the same inputs, ill-conditioned chunks included: docs/DESIGN.md, "fp32

@@ -8,7 +8,7 @@ call signature; lengths that vary within one plan, a time segment's T, are marke
 So kda_opt/forward gives each plan a `Kernels` table: a kernel's first launch under the plan goes
 through the JIT (which compiles it, or finds it in its caches) and keeps the compiled kernel; later
 launches hand the arguments straight to its launcher. Every launch, Triton's and cuTile's, is also
-reported to the thread's recorder where one is set (kda_opt/bound records a call to replay it), and a
+reported to the thread's recorder where one is set (kda_opt/replay records a call to replay it), and a
 recorded cuTile launch is replayed through the CUDA driver (kda_opt/fastpath.CutileReplay). The
 compiled launcher and the raw stream are private interfaces, taken only on the versions they were
 tested on (kda_opt/fastpath.FAST); elsewhere every launch goes through the JIT.
@@ -77,25 +77,25 @@ cutile = ct.launch      # every cuTile launch of the package but the replayed on
 
 
 class _Thread(threading.local):
-    recorder = None     # kda_opt/bound's Recording of a call this thread runs, which is told each launch
+    recorder = None     # kda_opt/replay's Recording of a call this thread runs, which is told each launch
 
 
 _thread = _Thread()
 
 
 def set_recorder(recorder) -> None:
-    """Make `recorder` (None: none) the one this thread's launches are reported to (kda_opt/bound)."""
+    """Make `recorder` (None: none) the one this thread's launches are reported to (kda_opt/replay)."""
     _thread.recorder = recorder
 
 
-# The package's constants, held weakly: a cache that drops one frees it, unless a bound call that
-# took it holds it (kda_opt/bound keeps a reference to each constant it replays).
+# The package's constants, held weakly: a cache that drops one frees it, unless a replay that
+# took it holds it (kda_opt/replay keeps a reference to each constant it replays).
 _constants: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
 
 
 def constant(x: torch.Tensor) -> torch.Tensor:
-    """x, marked as a tensor of the package's own, which a bound call may take as it is
-    (kda_opt/bound): it is never written; whoever holds it keeps it."""
+    """x, marked as a tensor of the package's own, which a replay may take as it is
+    (kda_opt/replay): it is never written; whoever holds it keeps it."""
     _constants[id(x)] = x
     return x
 

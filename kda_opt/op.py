@@ -43,7 +43,7 @@ def _op(name: str, signature: inspect.Signature, body, fake, writes: tuple[str, 
     argument without a default, so that the dispatcher hands it every one: it leaves out trailing
     arguments equal to their defaults, and torch 2.11's in-place bookkeeping (the ADInplaceOrView
     kernel) finds each written argument by its position among those handed (an absent `out` or
-    `checkpoints` there raised IndexError). The callers pass every argument (kda_opt/calls)."""
+    `checkpoints` there raised IndexError). The callers pass every argument (kda_opt/arguments.traced_as)."""
     if writes:
         signature = signature.replace(parameters=[p.replace(default=inspect.Parameter.empty)
                                                   for p in signature.parameters.values()])

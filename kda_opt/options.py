@@ -1,4 +1,5 @@
-"""The engine's fixed constants, and the gate option that travels through the stages as one frozen value."""
+"""The engine's fixed constants, and the frozen values that travel through the stages: a call's sizes,
+the gate option."""
 import math
 from dataclasses import dataclass
 from enum import IntEnum
@@ -17,6 +18,8 @@ LOG_DECAY_FLOOR = -24 * math.log(2.0)
 # ≥ −5 per token, so that Γ falls at most 5/ln 2 per token in log2 units and stage 2 serves each
 # diagonal block with its row block's one product (kda_opt/intra, "Bounded gates").
 SAFE_LOWER_BOUND = -5.0
+# The largest stride (in elements) of an array cuTile takes, and so of a batch entry (kda_opt/checks).
+INT32_MAX = 2 ** 31 - 1
 
 
 def in_safe_range(lower_bound: float) -> bool:
@@ -25,19 +28,36 @@ def in_safe_range(lower_bound: float) -> bool:
 
 
 class Read(IntEnum):
-    """Where kda_opt/decode's kernel reads each request's start (its READ)."""
+    """Where kda_opt/recurrence's kernel reads each request's start (its READ)."""
     ZEROS = 0       # no state: zeros
     ROW = 1         # dense row n
     SLOT = 2        # pool row indices[n, accepted[n] − 1] (column 0 without accepted)
 
 
 class Write(IntEnum):
-    """Where kda_opt/decode's kernel writes each request's state (its WRITE)."""
+    """Where kda_opt/recurrence's kernel writes each request's state (its WRITE)."""
     NONE = 0
     ROW = 1         # dense row n, after the last token
     SLOT = 2        # pool row indices[n], after the last token
     EACH_TOKEN = 3  # pool row indices[n, t], after each token t (speculative verify)
     BUFFER = 4      # buffer[buffer_rows[n], t], after each token t (SGLang's verify: the pool only read)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """A call's sizes: q, k [B, T, H, K], v [B, T, HV, V]; N sequences (B, or packed)."""
+    B: int
+    T: int
+    H: int
+    K: int
+    HV: int
+    V: int
+    N: int
+
+
+def beta_scale(use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool) -> float | None:
+    """β = beta_scale · sigmoid(beta) where beta holds logits (2 with allow_neg_eigval); None: beta is β."""
+    return (2.0 if allow_neg_eigval else 1.0) if use_beta_sigmoid_in_kernel else None
 
 
 def state_shape(N: int, HV: int, K: int, V: int, v_first: bool) -> tuple[int, int, int, int]:

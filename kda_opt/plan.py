@@ -6,9 +6,9 @@ decision, into one frozen value that kda_opt/forward runs; each stage takes the 
     what the options mean                      gate, scale, l2norm, beta_sigmoid, beta_residual, ...
     how the stages launch                      block_v, segments, parallel, parallel_cut, short_sequences,
                                                ahead, intra_warps, worker_warps, decode (one-token sequences)
-kda_decode's plan: make_decode_plan → DecodePlan (what its kernel reads and writes, its V block).
+kda_decode's plan is kda_opt/decode_plan's (a packed call's sequences of one token take one: Plan.decode).
 Tuning holds the launch knobs; kda_forward takes its defaults, tests and scripts/bench_stages.py pass
-others. kda_forward makes a call signature's plan once (plan_for): the signature holds everything the
+others. kda_forward makes a call signature's plan once (plan_for, kda_opt/plan_cache): the signature holds everything the
 checks and the plan read (every tensor's shape, strides, dtype, device, 16-byte alignment and, in
 grad mode, requires_grad; every option's value; the grad mode) but the host copies' values
 (cu_seqlens_cpu, initial_state_indices_cpu), which are checked on every call; a call whose
@@ -31,27 +31,26 @@ hold lengths that change from call to call.
 
 The longest ahead. Packed sequences with their host copy whose longest is long run its stage 4 from
 the moment its own stages 1–3 are done, beside the others' (AheadRule, takes_ahead; kda_opt/schedules,
-"The longest ahead"); its launches do not depend on the lengths, so such calls are bound (their own
+"The longest ahead"); its launches do not depend on the lengths, so such calls are replayed (their own
 Entry.ahead).
 """
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from types import SimpleNamespace
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
+from .arguments import ForwardArguments
 from .checks import (check_host_copies, check_pad_slot, checked_scale, rows_readable, validate,
-                     validate_batch_extent, validate_decode_buffer, validate_decode_serving, validate_devices,
-                     validate_serving)
-from .fastpath import ALIGNMENT_FIXED
+                     validate_batch_extent, validate_devices, validate_serving)
+from .decode_plan import DecodePlan, routed_decodes
 from .intra import warps_for
-from .launch import Kernels
-from .options import CHUNK, GateConfig, Read, Write
+from .options import CHUNK, GateConfig, Sizes, beta_scale
+from .plan_cache import Entry, cached, signature
 from .seqs import RANK_MAX, Counts, sequence_counts
-from .tables import PieceTables, SegmentTables, piece_tables, segment_tables
+from .segment_tables import PieceTables, SegmentTables, piece_tables, segment_tables
 from .wuso import WORKER_WARPS, block_v_for
 
 
@@ -59,8 +58,8 @@ from .wuso import WORKER_WARPS, block_v_for
 @dataclass(frozen=True)
 class Tuning:
     """Launch knobs, each with the default kda_forward uses."""
-    segment_tokens: int = 8192    # time segments: at least this many tokens each (shorter ones
-    max_segments: int = 8         # measured slower: each adds a launch and a state hand-over); 1: off
+    segment_tokens: int = 8192    # time segments: at least this many tokens each (a shorter one adds
+    max_segments: int = 8         # a launch and a state hand-over for less overlap); 1: off
     block_v: int | None = None    # stage 4's V block; None: block_v_for's choice
     intra_warps: int | None = None  # stages 2+3's warps; None: kda_opt/intra.warps_for's choice
     worker_warps: int = WORKER_WARPS  # stage 4's worker warps
@@ -68,13 +67,13 @@ class Tuning:
                                   # None: where it pays, True: wherever it applies, False: never
     parallel_tokens: int = 512    # parallel segments: at least this many tokens each
     short_sequences: bool = True  # packed: a sequence of one chunk read by element offsets, not views
-    route_decodes: bool = True    # packed, one pass: sequences of one token through kda_opt/decode
+    route_decodes: bool = True    # packed, one pass: sequences of one token through kda_opt/recurrence
     longest_first: bool = True    # packed, one pass, more stage-4 programs than SMs (at most RANK_MAX
                                   # sequences): the longest sequences' programs first (kda_opt/seqs)
     sized_launches: bool = True   # packed, one pass, with cu_seqlens_cpu: the stages' grids sized from
                                   # the host lengths on each call outside graph capture (kda_opt/seqs.sequence_counts)
     ahead: bool = True            # packed, one pass, with cu_seqlens_cpu: a call whose longest sequence has
-                                  # ahead_from tokens runs it ahead of the others (takes_ahead), bound
+                                  # ahead_from tokens runs it ahead of the others (takes_ahead), replayed
     ahead_from: int = 4096
     ahead_chain: float = 1.0      # and whose chain (its chunks) is at least this many times the call's
                                   # stage-4 work an SM (all chunks x HV x V/block_v over the SMs): below,
@@ -109,18 +108,6 @@ class AheadRule:
 
 
 @dataclass(frozen=True)
-class Sizes:
-    """A call's sizes: q, k [B, T, H, K], v [B, T, HV, V]; N sequences (B, or packed)."""
-    B: int
-    T: int
-    H: int
-    K: int
-    HV: int
-    V: int
-    N: int
-
-
-@dataclass(frozen=True)
 class Plan(Sizes):
     """One kda_forward call, resolved."""
     dtype: torch.dtype            # q, k and v's
@@ -150,12 +137,12 @@ class Plan(Sizes):
     intra_warps: int
     worker_warps: int
     sms: int                      # the GPU's SM count the launches are chosen for
-    decode: "DecodePlan | None"   # packed: its sequences of one token through kda_opt/decode, stage 4 skipping them
+    decode: "DecodePlan | None"   # packed: its sequences of one token through kda_opt/recurrence, stage 4 skipping them
 
     @property
-    def unbindable(self) -> str | None:
-        """Why a call of this plan may launch differently from another (so that it is not bound,
-        kda_opt/bound), or None."""
+    def not_replayable(self) -> str | None:
+        """Why a call of this plan may launch differently from another (so that it is not replayed,
+        kda_opt/replay), or None."""
         if not self.parallel and len(self.segments) > 1:
             return "it runs in time segments"
         if self.parallel_cut is not None or self.sized_launches:
@@ -163,13 +150,11 @@ class Plan(Sizes):
         return None
 
 
-def make_plan(arguments: Mapping[str, Any], tuning: Tuning = Tuning(), sms: int | None = None) -> Plan:
-    """kda_forward's arguments, every one by name (kda_forward's locals(), or
-    kda_opt.calls.arguments_of(kda_forward, ...)), checked and resolved into a Plan; kda_forward's
-    docstring says what each means. sms: the GPU's SM count, for the launch choices; None reads it
-    from q's device, which must then be a CUDA GPU with every tensor on it (the CPU tests pass a
-    count)."""
-    a = SimpleNamespace(**arguments)
+def make_plan(a: ForwardArguments, tuning: Tuning = Tuning(), sms: int | None = None) -> Plan:
+    """kda_forward's arguments (their record, kda_opt/arguments) checked and resolved into a Plan;
+    kda_forward's docstring says what each means. sms: the GPU's SM count, for the launch choices;
+    None reads it from q's device, which must then be a CUDA GPU with every tensor on it (the CPU
+    tests pass a count)."""
     state_v_first = a.state_v_first
     if a.transpose_state_layout is not None:
         if state_v_first:
@@ -225,7 +210,7 @@ def make_plan(arguments: Mapping[str, Any], tuning: Tuning = Tuning(), sms: int 
         scale=K ** -0.5 if scale is None else scale,
         gate=GateConfig(in_kernel=a.use_gate_in_kernel, lower_bound=a.lower_bound, safe_gate=a.safe_gate),
         l2norm=a.use_qk_l2norm_in_kernel,
-        beta_sigmoid=_beta_sigmoid(a.use_beta_sigmoid_in_kernel, a.allow_neg_eigval),
+        beta_sigmoid=beta_scale(a.use_beta_sigmoid_in_kernel, a.allow_neg_eigval),
         # Tm (k's dtype) holds β on its diagonal: where β is not a number of that dtype, stage 4 adds
         # back what its rounding lost.
         beta_residual=k.dtype != torch.float32 and (a.use_beta_sigmoid_in_kernel or a.beta.dtype != k.dtype),
@@ -247,76 +232,23 @@ def make_plan(arguments: Mapping[str, Any], tuning: Tuning = Tuning(), sms: int 
         # (Not with checkpoints: the segments would need their rows, which nothing hands them.)
         ahead=ahead_rule(tuning, block_v) if hosted and tuning.ahead and a.checkpoints is None else None,
         intra_warps=tuning.intra_warps or warps_for(q.dtype), worker_warps=tuning.worker_warps, sms=sms,
-        decode=_routed_decodes(Sizes(B, T, H, K, HV, V, N), scale, a.use_qk_l2norm_in_kernel, a.use_gate_in_kernel,
-                               a.lower_bound, a.use_beta_sigmoid_in_kernel, a.allow_neg_eigval, state_v_first,
-                               a.initial_state, pool, a.output_final_state, sms)
+        decode=routed_decodes(Sizes(B=B, T=T, H=H, K=K, HV=HV, V=V, N=N), scale=scale,
+                              l2norm=a.use_qk_l2norm_in_kernel, gate_in_kernel=a.use_gate_in_kernel,
+                              lower_bound=a.lower_bound, beta_sigmoid=a.use_beta_sigmoid_in_kernel,
+                              neg_eigval=a.allow_neg_eigval, v_first=state_v_first, initial_state=a.initial_state,
+                              pool=pool, output_final_state=a.output_final_state, sms=sms)
         if packed and tuning.route_decodes and tuning.short_sequences and a.checkpoints is None else None,
     )
 
 
-# Signatures planned (plan_for), oldest first; the oldest is dropped past PLAN_CACHE_SIZE.
-PLAN_CACHE_SIZE = 256
-_plans: dict[tuple, "Entry"] = {}
-# A signature holds a tensor argument by its metadata, any other by its value: bool, int, float or
-# None (an argument of another type is planned on every call).
-_OPTION_TYPES = frozenset((bool, int, float, type(None)))
-
-
-class Entry:
-    """A call signature's plan, the table of its compiled Triton kernels (kda_opt/launch), and the call
-    bound from a run of it (kda_opt/bound): `bound` once made, else `unbound` says why it cannot be
-    (None: not tried yet); `runs`: its calls run unbound so far; `ahead`: the entry of its calls that
-    run their longest sequence ahead (another run, bound on its own; None until one comes)."""
-    __slots__ = ("plan", "kernels", "bound", "unbound", "runs", "ahead")
-
-    def __init__(self, plan):
-        self.plan, self.kernels, self.bound, self.unbound, self.runs, self.ahead = plan, Kernels(), None, None, 0, None
-
-
-def plan_for(arguments: dict) -> Entry:
-    """make_plan(arguments) (kda_forward's arguments by name, the default tuning) made once per call
-    signature (module docstring), in its Entry. The host copies' values are checked on every call."""
-    entry, made = _cached(_signature(arguments), lambda: make_plan(arguments))
+def plan_for(a: ForwardArguments) -> Entry:
+    """make_plan(a) (the default tuning) made once per call signature (module docstring), in its
+    Entry. The host copies' values are checked on every call."""
+    entry, made = cached(signature(a), lambda: make_plan(a))
     if not made:
-        check_host_copies(arguments["q"].shape[1], arguments["cu_seqlens_cpu"],
-                          arguments["initial_state_indices_cpu"], arguments["initial_state"], arguments["checkpoints"],
-                          arguments["checkpoint_every"], arguments["pad_slot"])
+        check_host_copies(a.q.shape[1], a.cu_seqlens_cpu, a.initial_state_indices_cpu, a.initial_state, a.checkpoints,
+                          a.checkpoint_every, a.pad_slot)
     return entry
-
-
-def _cached(key: tuple | None, make) -> tuple[Entry, bool]:
-    """(Entry, whether made now): the cache's entry of `key`, or make()'s plan's, kept under `key` (the
-    oldest dropped past PLAN_CACHE_SIZE; a None key is not kept)."""
-    entry = None if key is None else _plans.get(key)
-    if entry is not None:
-        return entry, False
-    entry = Entry(make())
-    if key is not None:
-        if len(_plans) >= PLAN_CACHE_SIZE:
-            del _plans[next(iter(_plans))]
-        _plans[key] = entry
-    return entry, True
-
-
-def _signature(arguments: dict) -> tuple | None:
-    """What make_plan's checks and choices read from a call, but the host copies' values: a hashable
-    key, or None where an argument is of a type no signature holds (it is then planned every call,
-    and the checks say what is wrong with it) or the call asks for a warning (transpose_state_layout).
-    arguments: kda_forward's (or kda_decode's), every one by name, in its signature's order (the
-    function's locals()): each a tensor's metadata or an option's value, in that order."""
-    if arguments.get("transpose_state_layout") is not None:
-        return None
-    grad = torch.is_grad_enabled()
-    key = [grad]
-    for x in arguments.values():
-        if type(x) in _OPTION_TYPES:
-            key.append(x)
-        elif isinstance(x, torch.Tensor):
-            # requires_grad only where grad mode is on, the one mode whose checks read it.
-            key.append((x.shape, x.stride(), x.dtype, x.device, grad and x.requires_grad, x.data_ptr() % ALIGNMENT_FIXED))
-        else:
-            return None
-    return tuple(key)
 
 
 def parallel_segments(T: int, N: int, HV: int, sms: int, is_packed: bool, min_tokens: int,
@@ -353,7 +285,7 @@ def cut_sequences(cu_seqlens: list[int], HV: int, cut: ParallelCut,
 class OnePass(NamedTuple):
     """Stage 4 once over the call's sequences."""
     counts: Counts | None   # the stages' launches sized from the host lengths (Plan.sized_launches)
-    routed: bool            # packed: its one-token sequences through kda_opt/decode (Plan.decode)
+    routed: bool            # packed: its one-token sequences through kda_opt/recurrence (Plan.decode)
     ordered: bool           # packed: stage 4's programs longest first (Plan.longest_first)
 
 
@@ -389,11 +321,11 @@ Schedule = OnePass | TimeSegments | ParallelSegments | Pieces | Ahead
 def schedule_of(plan: "Plan", device: torch.device, cu_seqlens_cpu=None, capturing=lambda: False,
                 ahead: bool = False) -> Schedule:
     """How kda_opt/forward runs a call of `plan` on `device`: what the plan fixed, with its segments'
-    or pieces' device tables (kda_opt/tables), and for packed sequences what their host copy
+    or pieces' device tables (kda_opt/segment_tables), and for packed sequences what their host copy
     (cu_seqlens_cpu) says on this call: whether the long ones are cut (plan.parallel_cut) and the
     launches' sizes (plan.sized_launches; not while capturing() says a CUDA graph is being captured,
     whose replays may see other lengths). ahead: the call's longest sequence runs ahead (takes_ahead,
-    which the caller asks first: the call may then be bound)."""
+    which the caller asks first: the call may then be replayed)."""
     if ahead:
         return Ahead(plan.ahead.segments, plan.ahead.block_v, plan.decode is not None)
     if plan.parallel:
@@ -459,8 +391,8 @@ PARALLEL_FROM = 8192
 def _parallel_pays(T: int, HV: int, V: int) -> bool:
     """Where parallel segments beat one pass or the time segments (docs/DESIGN.md, "Parallel
     segments"): a sequence of at least PARALLEL_FROM tokens whose chains fill at most 96 programs at
-    stage 4's narrowest block (HV·V ≤ 24·128: the tensor-parallel shards of 8–24 heads); measured
-    slower at (1, 32768, 32)."""
+    stage 4's narrowest block (HV·V ≤ 24·128: the tensor-parallel shards of 8–24 heads; wider calls
+    run one pass or time segments faster, docs/BENCHMARKING.md)."""
     return HV * V <= 24 * 128 and T >= PARALLEL_FROM
 
 
@@ -476,156 +408,4 @@ def time_segments(T: int, N: int, programs: int, sms: int, is_packed: bool, segm
     count = min(max_segments, T // segment_tokens)
     step = -(-T // (count * align)) * align
     return tuple((t0, min(t0 + step, T)) for t0 in range(0, T, step))
-
-
-def _beta_sigmoid(use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool) -> float | None:
-    """β = _beta_sigmoid · sigmoid(beta) where beta holds logits (2 with allow_neg_eigval); None: beta is β."""
-    return (2.0 if allow_neg_eigval else 1.0) if use_beta_sigmoid_in_kernel else None
-
-
-# ---- kda_decode's plan (kda_opt/decode) ----
-
-@dataclass(frozen=True)
-class DecodePlan(Sizes):
-    """One kda_decode call, resolved: N requests of T tokens (packed: T of the call, lengths from
-    cu_seqlens); what its kernel reads and writes (its READ and WRITE, kda_opt/options.Read, Write)."""
-    scale: float
-    gate: GateConfig
-    l2norm: bool
-    beta_sigmoid: float | None    # β = beta_sigmoid · sigmoid(beta); None: beta is β
-    state_v_first: bool
-    packed: bool
-    read: Read                    # zeros, initial_state[n], or the pool at ssm_state_indices
-    write: Write                  # none, final[n], the pool at [N] indices, or per token at [N, S] ones
-    output_final_state: bool      # final[n] a new [N, …] fp32 tensor (else initial_state, in place)
-    columns: int                  # S of [N, S] indices or of the buffer (1 for [N] indices, 0 without)
-    slots: int                    # the pool's rows (0 without one)
-    pad_slot: int | None
-    single: bool                  # only the sequences of one token (a packed kda_forward call's)
-    block_v: int
-    num_warps: int
-    blocks_first: bool            # the grid (V / BV, HV, N), a (request, head)'s V blocks neighbouring
-                                  # programs (V-first fp32 states, N ≤ GRID_AXIS_MAX); else (N·HV, V / BV)
-    streamed: bool                # kda_opt/decode's streamed_decode_kernel: a program per (request, head)
-                                  # walks its state in blocks of block_v rows (V-first 16-bit states)
-
-
-def make_decode_plan(arguments: Mapping[str, Any], sms: int | None = None) -> DecodePlan:
-    """kda_decode's arguments, every one by name (kda_decode's locals(), or
-    kda_opt.calls.arguments_of(kda_decode, ...)), checked and resolved into a
-    DecodePlan; kda_decode's docstring says what each means. sms: the GPU's SM count, for the launch
-    choices; None reads it from q's device, which must then be a CUDA GPU with every tensor on it (the
-    CPU tests pass a count)."""
-    a = SimpleNamespace(**arguments)
-    scale = None if a.scale is None else checked_scale(a.scale)
-    q, v, indices, initial_state = a.q, a.v, a.ssm_state_indices, a.initial_state
-    N = validate(q, a.k, v, a.g, a.beta, initial_state if indices is None else None,
-                 use_gate_in_kernel=a.use_gate_in_kernel, A_log=a.A_log, dt_bias=a.dt_bias, safe_gate=False,
-                 lower_bound=a.lower_bound, use_beta_sigmoid_in_kernel=a.use_beta_sigmoid_in_kernel,
-                 allow_neg_eigval=a.allow_neg_eigval, state_v_first=a.state_v_first, cu_seqlens=a.cu_seqlens,
-                 cu_seqlens_cpu=None, chunk_size=CHUNK)
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    columns = validate_decode_serving(q, v, N, initial_state, a.output_final_state, a.inplace_final_state, indices,
-                                      a.num_accepted_tokens, a.out, a.pad_slot, a.state_v_first, a.cu_seqlens)
-    buffer = a.intermediate_states_buffer
-    if buffer is not None:
-        columns = validate_decode_buffer(q, v, N, buffer, a.intermediate_state_indices, a.retrieve_parent_token,
-                                         indices, a.output_final_state, a.inplace_final_state, a.num_accepted_tokens,
-                                         a.state_v_first, a.cu_seqlens)
-    elif a.intermediate_state_indices is not None or a.retrieve_parent_token is not None:
-        raise ValueError("intermediate_state_indices and retrieve_parent_token name rows and states of "
-                         "intermediate_states_buffer: they need one")
-    if sms is None:
-        validate_devices(q, k=a.k, v=v, g=a.g, beta=a.beta, initial_state=initial_state, A_log=a.A_log,
-                         dt_bias=a.dt_bias, cu_seqlens=a.cu_seqlens, ssm_state_indices=indices,
-                         num_accepted_tokens=a.num_accepted_tokens, out=a.out, intermediate_states_buffer=buffer,
-                         intermediate_state_indices=a.intermediate_state_indices,
-                         retrieve_parent_token=a.retrieve_parent_token)
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    write = Write.NONE if buffer is None else Write.BUFFER
-    if a.output_final_state:
-        write = Write.ROW
-    elif a.inplace_final_state:
-        write = Write.ROW if indices is None else Write.SLOT if indices.dim() == 1 else Write.EACH_TOKEN
-    # Measured on V-first bf16 states (docs/DESIGN.md, Decode); one state a request, read from and
-    # written to where it was (no [N, S] slots, whose accepted counts come with them, nor a buffer).
-    streamed = (a.state_v_first and initial_state is not None and initial_state.element_size() == 2
-                and not a.output_final_state and buffer is None and (indices is None or indices.dim() == 1)
-                and N * HV >= STREAMED_FROM * sms)
-    return _decode_plan(
-        Sizes(B, T, H, K, HV, V, N), scale, a.use_qk_l2norm_in_kernel, a.use_gate_in_kernel, a.lower_bound,
-        a.use_beta_sigmoid_in_kernel, a.allow_neg_eigval, a.state_v_first, a.cu_seqlens is not None, sms,
-        read=Read.ZEROS if initial_state is None else Read.ROW if indices is None else Read.SLOT, write=write,
-        output_final_state=a.output_final_state, columns=columns,
-        slots=0 if indices is None else initial_state.shape[0], pad_slot=a.pad_slot, single=False,
-        state_itemsize=4 if initial_state is None or a.output_final_state else initial_state.element_size(),
-        streamed=streamed)
-
-
-def _routed_decodes(sizes: Sizes, scale, l2norm, gate_in_kernel, lower_bound, beta_sigmoid, neg_eigval, v_first,
-                    initial_state, pool, output_final_state, sms) -> "DecodePlan":
-    """The DecodePlan of a packed kda_forward call's sequences of one token (make_plan's checks made):
-    read from and written to where stage 4 would (the pool's slot, or row n of the dense states)."""
-    return _decode_plan(sizes, scale, l2norm, gate_in_kernel, lower_bound, beta_sigmoid, neg_eigval, v_first, True,
-                        sms, read=Read.ZEROS if initial_state is None else Read.SLOT if pool else Read.ROW,
-                        write=Write.SLOT if pool else Write.ROW if output_final_state else Write.NONE,
-                        output_final_state=output_final_state,
-                        columns=1 if pool else 0, slots=initial_state.shape[0] if pool else 0, pad_slot=None,
-                        single=True, state_itemsize=4 if initial_state is None else initial_state.element_size(),
-                        streamed=False)
-
-
-def _decode_plan(sizes: Sizes, scale, l2norm, gate_in_kernel, lower_bound, beta_sigmoid, neg_eigval, v_first, packed,
-                 sms, state_itemsize, **access) -> "DecodePlan":
-    """A DecodePlan from checked options; `access`: what it reads and writes (DecodePlan's fields);
-    state_itemsize: the bytes of one element of the states it reads and writes."""
-    block_v, num_warps = decode_launch(sizes.N * sizes.HV, sizes.V, v_first, sms)
-    return DecodePlan(
-        **vars(sizes), scale=sizes.K ** -0.5 if scale is None else scale,
-        gate=GateConfig(in_kernel=gate_in_kernel, lower_bound=lower_bound), l2norm=l2norm,
-        beta_sigmoid=_beta_sigmoid(beta_sigmoid, neg_eigval), state_v_first=v_first, packed=packed,
-        block_v=block_v, num_warps=num_warps,
-        # Measured for fp32 states only (16-bit ones not yet timed so).
-        blocks_first=v_first and state_itemsize == 4 and sizes.N <= GRID_AXIS_MAX, **access)
-
-
-def decode_launch(heads: int, V: int, v_first: bool, sms: int) -> tuple[int, int]:
-    """kda_decode's (V columns, warps) per program of (request, value head): a step is the state's
-    bytes (kda_opt/decode), and what it leaves to hide is the reductions over K of each token. The
-    fastest measured (docs/DESIGN.md, Decode), on `heads` (request, value head) pairs:
-    - K-first states (a block's columns dense in memory): 64 columns by 2 warps wherever that gives
-      every SM a program (16 columns are 64-byte pieces of 128 rows);
-    - otherwise, and for every V-first state, 16 columns by one warp (the reductions within the
-      warp, and more programs to spread a small step); V-first fp32 ones with a (request, head)'s V
-      blocks as neighbouring programs (DecodePlan.blocks_first)."""
-    if not v_first and heads * (V // 64) >= sms:
-        return 64, 2
-    return 16, 1
-
-
-# kda_decode's streamed kernel from this many (request, value head) programs an SM: each walks its
-# state's rows one block after another, so below it too few programs are in flight (docs/DESIGN.md,
-# Decode).
-STREAMED_FROM = 4
-
-
-# A grid's second and third axes stop here: decode's grid puts the requests on its third with
-# blocks_first.
-GRID_AXIS_MAX = 65535
-
-
-def decode_plan_for(arguments: dict) -> Entry:
-    """make_decode_plan(arguments) made once per call signature (as plan_for), in its Entry."""
-    key = _signature(arguments)
-    return _cached(None if key is None else ("decode", *key), lambda: make_decode_plan(arguments))[0]
-
-
-def decode_checks(arguments: dict) -> None:
-    """make_decode_plan's checks of kda_decode's arguments (every one by name), made once per call
-    signature (as plan_for; the launch choices are not needed, nor the device checks, which the call's
-    own plan makes): raises as they do."""
-    key = _signature(arguments)
-    _cached(None if key is None else ("checked", *key), lambda: make_decode_plan(arguments, sms=1))
-
 

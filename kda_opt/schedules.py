@@ -1,6 +1,6 @@
 """The schedules of a call too long for one pass, as kda_opt/forward runs them: each takes the
 plan (its sizes and layouts), what kda_opt/plan.schedule_of resolved for the call (its token ranges,
-or the device tables of its segments or pieces, kda_opt/tables, and the pieces' V block), the
+or the device tables of its segments or pieces, kda_opt/segment_tables, and the pieces' V block), the
 inputs, stage 4's state arguments of the whole call (`state`), stages 1–3 as one function
 (`prepare`) and stage 4's launcher (`stage4`), and returns o. Nothing here chooses a schedule.
 
@@ -44,7 +44,7 @@ from .merge import merge
 from .options import state_shape
 from .launch import wait
 from .seqs import Counts
-from .tables import PieceTables, SegmentTables
+from .segment_tables import PieceTables, SegmentTables
 
 
 def final_states(plan, like: torch.Tensor) -> torch.Tensor:
@@ -57,7 +57,7 @@ def parallel(plan, t: SegmentTables, q, k, v, g, beta, state, checkpoints, prepa
     "Parallel segments"); `state` holds stage 4's state arguments of the whole call. A pool slot is read by
     segment 0 and written by the last; a dense final state is the last segment's row of its own
     buffer, copied. With a dense state or none, and no has_initial_state, the call runs nothing but
-    allocations, views, copies and launches (its tables package constants), so kda_opt/bound can
+    allocations, views, copies and launches (its tables package constants), so kda_opt/replay can
     replay it."""
     S = len(t.first_bounds)
     gcum, Aqk, Tm, r, rstd = prepare(q, k, g, beta)
@@ -103,7 +103,7 @@ def _first_segment_reads(state, t: SegmentTables):
 
 def _beside(x: torch.Tensor, table: torch.Tensor, first: bool) -> torch.Tensor:
     """[x, *table] (first) or [*table, x] in table's dtype, x one sequence's entry: a new buffer filled
-    by two copies, so that a bound call replays it (kda_opt/bound takes no concatenation or cast)."""
+    by two copies, so that a replay makes it (kda_opt/replay takes no concatenation or cast)."""
     out = table.new_empty(len(table) + 1)
     (out[:1] if first else out[-1:]).copy_(x)
     (out[1:] if first else out[:-1]).copy_(table)
@@ -193,11 +193,11 @@ def longest_ahead(plan, segments: int, block_v: int, q, k, v, g, beta, cu_seqlen
     """o over packed sequences whose longest runs ahead (module docstring, "The longest ahead") in
     `segments` time segments at stage 4's V block block_v; layout(segments, slots, has_initial_state)
     makes their layouts (kda_opt/seqs.ahead_layout); routed: the others' sequences of one token are
-    kda_opt/decode's (the caller's to launch after). `state` holds stage 4's state arguments of the
+    kda_opt/recurrence's (the caller's to launch after). `state` holds stage 4's state arguments of the
     whole call: the first segment reads the longest one's initial state, the last writes its final
     one (at its slot: its pool row, or its row of a dense state), and between them the state is handed
     on in fp32 (two one-row buffers in turn). The launches do not depend on the lengths, so the call
-    may be bound (kda_opt/bound). On a device without streams (the CPU of the tests), one after the
+    may be replayed (kda_opt/replay). On a device without streams (the CPU of the tests), one after the
     other."""
     side = _side_stream(q.device, AHEAD_PRIORITY) if q.is_cuda else None
     main = torch.cuda.current_stream(q.device) if side is not None else None

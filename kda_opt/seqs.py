@@ -7,7 +7,7 @@ A per-chunk grid has one slot per chunk. Packed, Σ cdiv(len_n, C) ≤ cdiv(T, C
 slots cover any lengths; chunk_indices [slots, 2] names each slot's (sequence, chunk in it), (−1, 0)
 for a spare one, and is built on the device from cu_seqlens by two small kernels (no host sync):
 offsets = [0, cumsum(cdiv(len_n, C))], then a binary search of offsets per slot (FLA builds the same
-table, prepare_chunk_indices, on the host). Sequences of one token that kda_opt/decode computes may
+table, prepare_chunk_indices, on the host). Sequences of one token that kda_opt/recurrence computes may
 own no slot (skip_single), and where the caller gives the lengths on the host (sequence_counts) the
 grid has exactly as many slots as chunks. A per-sequence grid (stage 4) reads cu_seqlens directly,
 optionally in the order longest_first gives: the sequences by descending chunk count, so that a grid
@@ -38,7 +38,7 @@ class Counts(NamedTuple):
 
 def sequence_counts(cu_seqlens_cpu: torch.Tensor, skip_single: bool) -> Counts:
     """From the host copy cu_seqlens_cpu [N + 1]; skip_single: the sequences of one token are left
-    out of every count (kda_opt/decode computes them): each is one short sequence and one chunk."""
+    out of every count (kda_opt/recurrence computes them): each is one short sequence and one chunk."""
     lengths = cu_seqlens_cpu.diff()
     long = int((lengths > CHUNK).sum())
     single = int((lengths == 1).sum()) if skip_single else 0
@@ -74,7 +74,7 @@ def packed(cu_seqlens: torch.Tensor, T: int, kernels: Kernels | None = None, *, 
            chunks: int | None = None, skip_at: torch.Tensor | None = None) -> Seqs:
     """The layout of sequences packed along T by cu_seqlens (validated by the caller). kernels: the
     plan's compiled kernels (kda_opt/launch), or None. skip_single: sequences of one token own no
-    chunk (kda_opt/decode computes them). chunks: how many chunks the table holds, counted on the
+    chunk (kda_opt/recurrence computes them). chunks: how many chunks the table holds, counted on the
     host (sequence_counts), for a grid of that many slots (at least one); None: the bound. skip_at:
     [1] int32 on the device, a sequence that owns no chunk either (None: none)."""
     N = cu_seqlens.shape[0] - 1
@@ -131,7 +131,7 @@ def ahead_layout(cu_seqlens: torch.Tensor, T: int, segments: int, kernels: Kerne
     """The layouts of packed sequences whose longest (the first of the most chunks: longest_first's
     first) runs ahead in `segments` time segments of whole chunks from its first token, equal but the
     last (some empty where it has fewer chunks): each segment a sequence of its own ([2] bounds as
-    cu_seqlens, its chunk table of a bound's slots), the slot its state is read from and written to
+    cu_seqlens, its chunk table of a replay's slots), the slot its state is read from and written to
     (slots[n] of a pool, else n), its has_initial_state, the others' chunk table (the one-token ones
     left out with skip_single) and their order. Device launches only, sized by T and N: no host sync,
     the same launches for any lengths."""

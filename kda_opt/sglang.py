@@ -25,10 +25,8 @@ import os
 
 import torch
 
-from . import plan
-from .checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
+from . import engines, plan
 from .decode import kda_decode
-from .fla_backend import _on_hopper, first_rows, intermediate_states, sequence_rows, spare_rows
 from .forward import kda_forward
 from .options import CHUNK
 
@@ -71,7 +69,7 @@ def kernel_class():
         def extend(self, q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, A_log=None,
                    dt_bias=None, lower_bound=None, beta_is_raw=False, return_intermediate_states=False,
                    **kwargs):
-            if not computes(q, v, ssm_states):
+            if not engines.computes(q, ssm_states, q.shape[-1], v.shape[-1]):
                 return super().extend(q, k, v, g, beta, ssm_states=ssm_states, cache_indices=cache_indices,
                                       query_start_loc=query_start_loc, A_log=A_log, dt_bias=dt_bias,
                                       lower_bound=lower_bound, beta_is_raw=beta_is_raw,
@@ -85,7 +83,7 @@ def kernel_class():
 
         def decode(self, q, k, v, a, b, *, A_log, dt_bias, ssm_states, cache_indices, query_start_loc,
                    lower_bound=None, **kwargs):
-            if not (query_start_loc.shape[0] - 1 <= self.decode_requests and computes(q, v, ssm_states)):
+            if not (query_start_loc.shape[0] - 1 <= self.decode_requests and engines.computes(q, ssm_states, q.shape[-1], v.shape[-1])):
                 return super().decode(q, k, v, a, b, A_log=A_log, dt_bias=dt_bias, ssm_states=ssm_states,
                                       cache_indices=cache_indices, query_start_loc=query_start_loc,
                                       lower_bound=lower_bound, **kwargs)
@@ -96,7 +94,7 @@ def kernel_class():
                           head_v_dim, lower_bound=None, **kwargs):
             # The ReplaySSM ring and the 16-bit pools (not measured) are SGLang's kernel's.
             if not (ssm_states.dtype == torch.float32 and all(kwargs.get(n) is None for n in REPLAYSSM)
-                    and takes(mixed_qkv, ssm_states, ssm_states.shape[-1], head_v_dim)):
+                    and engines.computes(mixed_qkv, ssm_states, ssm_states.shape[-1], head_v_dim)):
                 return super().packed_decode(mixed_qkv, a, b, A_log=A_log, dt_bias=dt_bias, scale=scale,
                                              ssm_states=ssm_states, cache_indices=cache_indices,
                                              num_v_heads=num_v_heads, head_v_dim=head_v_dim, lower_bound=lower_bound,
@@ -110,7 +108,7 @@ def kernel_class():
                           retrieve_parent_token, lower_bound=None, **kwargs):
             # The ReplaySSM ring (cache_ring and its buffers) is SGLang's Triton kernel's alone.
             takes = self.takes_verify if retrieve_parent_token is None else self.takes_tree_verify
-            if not (takes and not kwargs.get("cache_ring") and computes(q, v, ssm_states)):
+            if not (takes and not kwargs.get("cache_ring") and engines.computes(q, ssm_states, q.shape[-1], v.shape[-1])):
                 return super().target_verify(
                     A_log, dt_bias, q, k, v, a, b, ssm_states=ssm_states, cache_indices=cache_indices,
                     query_start_loc=query_start_loc, intermediate_states_buffer=intermediate_states_buffer,
@@ -135,18 +133,6 @@ DECODE_REQUESTS = 512
 REPLAYSSM = ("replayssm_d", "replayssm_k", "replayssm_g", "replayssm_write_pos")
 
 
-def computes(q: torch.Tensor, v: torch.Tensor, ssm_states: torch.Tensor) -> bool:
-    """Whether kda_opt computes an SGLang call on these tensors: on Hopper, q of a dtype and q, v of
-    head dims it takes, a pool of a dtype it takes."""
-    return takes(q, ssm_states, q.shape[-1], v.shape[-1])
-
-
-def takes(x: torch.Tensor, ssm_states: torch.Tensor, K: int, V: int) -> bool:
-    """computes' test for the tokens x (q, or the packed mixed_qkv) of head dims K and V."""
-    return (_on_hopper(x.device) and x.dtype in SUPPORTED_DTYPES and ssm_states.dtype in SUPPORTED_DTYPES
-            and K in SUPPORTED_HEAD_DIMS and V in SUPPORTED_HEAD_DIMS)
-
-
 def _gate(A_log, dt_bias, lower_bound) -> dict:
     """kda_forward's and kda_decode's gate arguments for SGLang's: the gate activated here where A_log
     is given (SGLang's A_log is [1, 1, HV, 1]), the bounded gate where lower_bound is."""
@@ -163,7 +149,7 @@ def extend(q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, A_lo
     The host lengths (extend_seq_lens_cpu) go to kda_forward only where they choose its schedule: one
     request (which then runs as one sequence, in parallel segments where they pay), a request long
     enough to be cut (plan.CUT_FROM) or, without per-chunk states, to run ahead of the others
-    (plan.leads, _leads: bound); any other call is bound (its launches replayed) without them."""
+    (plan.leads, _leads: replayed); any other call is replayed (kda_opt/replay) without them."""
     states = track_state is not None or return_intermediate_states
     lengths = extend_seq_lens_cpu
     cu_seqlens_cpu = None
@@ -176,7 +162,7 @@ def extend(q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, A_lo
         starts = _starts(ssm_states, cache_indices)
         rows = _chunk_rows(q.shape[1], query_start_loc, extend_seq_lens_cpu, chunk_indices)
         # h in k's dtype, as SGLang's; the states snapshot exactly (fp32) where track_state asks for them.
-        h, checkpoints = intermediate_states(v, q.shape[-1], rows, True,
+        h, checkpoints = engines.intermediate_states(v, q.shape[-1], rows, True,
                                              k.dtype if track_state is None else torch.float32)
     o, _ = kda_forward(q, k, v, g, beta, initial_state=ssm_states, use_qk_l2norm_in_kernel=True,
                        use_beta_sigmoid_in_kernel=beta_is_raw, safe_gate=lower_bound is not None,
@@ -185,11 +171,11 @@ def extend(q, k, v, g, beta, *, ssm_states, cache_indices, query_start_loc, A_lo
                        checkpoints=checkpoints)
     if not states:
         return o
-    first_rows(h, starts, None, query_start_loc)
+    engines.first_rows(h, starts, None, query_start_loc)
     if track_state is not None:
         # Request n's state before its chunk track_chunk_idx[n]; a request not tracked (−1) gets some row.
-        row = sequence_rows(query_start_loc, rows) + track_chunk_idx.to(query_start_loc.dtype)
-        whole = spare_rows(h)
+        row = engines.sequence_rows(query_start_loc, rows) + track_chunk_idx.to(query_start_loc.dtype)
+        whole = engines.spare_rows(h)
         torch.index_select(whole, 0, row.clamp(0, rows), out=track_state[:row.shape[0]])
         h = h.to(k.dtype)
     return (o, h) if return_intermediate_states else o

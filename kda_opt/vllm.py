@@ -31,9 +31,8 @@ import sys
 
 import torch
 
-from .checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
+from . import engines
 from .decode import kda_decode
-from .fla_backend import _on_hopper
 from .forward import kda_forward
 from .options import CHUNK
 
@@ -125,14 +124,6 @@ class _Patching(importlib.abc.Loader):
         self.patch(module)
 
 
-def computes(x: torch.Tensor, state: torch.Tensor | None, K: int, V: int) -> bool:
-    """Whether kda_opt computes a vLLM call on the tokens x (q, or the packed mixed_qkv) of head dims
-    K and V and the states `state` (a pool or the dense initial states; None: zeros): on Hopper, x of
-    a dtype it takes, head dims it takes, states of a dtype it takes."""
-    return (_on_hopper(x.device) and x.dtype in SUPPORTED_DTYPES and K in SUPPORTED_HEAD_DIMS
-            and V in SUPPORTED_HEAD_DIMS and (state is None or state.dtype in SUPPORTED_DTYPES))
-
-
 def _gate(A_log, dt_bias, lower_bound, l2norm: bool = True) -> dict:
     """kda_forward's and kda_decode's arguments for vLLM's raw gate (A_log [H], dt_bias [H·K], the
     lower bound or None), β logits, q/k L2 norm in kernel (l2norm) and V-first states."""
@@ -172,7 +163,7 @@ def prefill(vllm_own):
     def chunk_kda_with_fused_gate(q, k, v, raw_g, raw_beta, A_log, g_bias, scale=None, initial_state=None,
                                   output_final_state=False, lower_bound=None, use_qk_l2norm_in_kernel=False,
                                   cu_seqlens=None, out=None, **kwargs):
-        if not computes(q, initial_state, q.shape[-1], v.shape[-1]):
+        if not engines.computes(q, initial_state, q.shape[-1], v.shape[-1]):
             return vllm_own(q, k, v, raw_g, raw_beta, A_log, g_bias, scale=scale, initial_state=initial_state,
                             output_final_state=output_final_state, lower_bound=lower_bound,
                             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, out=out,
@@ -196,7 +187,7 @@ def flashkda_prefill(vllm_own, waves: int | None = None):
     def _flashkda_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, out,
                           final_state, workspace, checkpoint_state=None, checkpoint_offsets=None):
         N = cu_seqlens.shape[0] - 1
-        if not (computes(q, initial_state, q.shape[-1], v.shape[-1])
+        if not (engines.computes(q, initial_state, q.shape[-1], v.shape[-1])
                 and N * q.shape[2] <= (waves or FLASHKDA_WAVES) * _sms(q.device)):
             return vllm_own(q, k, v, g, beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, out,
                             final_state, workspace, checkpoint_state=checkpoint_state,
@@ -235,7 +226,7 @@ def spec_decode(vllm_own, taken: bool | None = None):
     TAKES_SPEC_DECODE, as it is at the call)."""
     def fused_recurrent_kda(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,
                             ssm_state_indices, num_accepted_tokens=None, out=None, fuse_gate=None):
-        if not ((TAKES_SPEC_DECODE if taken is None else taken) and computes(q, initial_state, q.shape[-1],
+        if not ((TAKES_SPEC_DECODE if taken is None else taken) and engines.computes(q, initial_state, q.shape[-1],
                                                                              v.shape[-1])):
             return vllm_own(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens,
                             ssm_state_indices, num_accepted_tokens=num_accepted_tokens, out=out,
@@ -258,7 +249,7 @@ def packed_decode(vllm_own, from_requests: int | None = None):
     def fused_recurrent_kda_packed_decode(mixed_qkv, raw_g, raw_beta, A_log, dt_bias, lower_bound, initial_state,
                                           state_indices, scale=None, out=None):
         (_, H, V, K), B = initial_state.shape, mixed_qkv.shape[0]
-        if not (B >= (from_requests or PACKED_DECODE_FROM) and computes(mixed_qkv, initial_state, K, V)):
+        if not (B >= (from_requests or PACKED_DECODE_FROM) and engines.computes(mixed_qkv, initial_state, K, V)):
             return vllm_own(mixed_qkv, raw_g, raw_beta, A_log, dt_bias, lower_bound, initial_state, state_indices,
                             scale=scale, out=out)
         q, k, v = (x.unflatten(-1, (H, -1)).unsqueeze(1) for x in mixed_qkv.split([H * K, H * K, H * V], dim=-1))

@@ -22,7 +22,7 @@ Products take 16-bit operands with fp32 accumulation; for fp32 inputs tf32 ones 
 to products on the CUDA cores that spill kilobytes per thread; tf32 ones to tensor-core products, whose
 error against float64 stays below FLA's own in fp32: tests/test_forward.py). For bf16 inputs O's Aqk V'
 takes V' as hi + lo, which pays for stage 2's bf16 products (kda_opt/intra): o's error against
-float64, emulated, is 3.3e-3 with them and one rounded V', 2.9e-3 with the split, as with tf32.
+float64 is then tf32's (docs/BENCHMARKING.md, "Precision").
 """
 import collections
 import functools
@@ -31,7 +31,7 @@ import cuda.tile as ct
 import torch
 
 from .launch import constant, cutile_launch
-from .options import CHUNK, state_shape
+from .options import CHUNK, INT32_MAX, state_shape
 from .seqs import num_sequences
 
 ConstInt = ct.Constant[int]
@@ -48,11 +48,10 @@ F32 = ct.float32
 BLOCK_V_CHOICES = (32, 64, 128)
 # Which packed sequences one launch computes (the kernel's SHORT): all of them through _sequence, or
 # those longer than a chunk through it, or those of at most one chunk through _one_chunk (SEVERAL_ONLY:
-# but those of one token, which kda_opt/decode computes); or HEADS, each sequence's head through
+# but those of one token, which kda_opt/recurrence computes); or HEADS, each sequence's head through
 # _one_chunk (checkpoints at given offsets: _sequence, PHASED).
 EVERY_SEQUENCE, LONG_ONLY, SHORT_ONLY, HEADS, SEVERAL_ONLY = 0, 1, 2, 3, 4
 WORKER_WARPS = 8
-INT32_MAX = 2 ** 31 - 1     # the largest stride (in elements) of an array cuTile takes
 
 
 # The algorithm of FLA's three forward steps after the solve, fused: recompute_w_u_fwd
@@ -576,7 +575,7 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
     [B, T, HV, V] tensor of v's dtype whose rows are contiguous (a slice along T of a B = 1 tensor,
     kda_opt/schedules' time segments), or None for a new one. short_sequences (packed): two launches, the
     sequences longer than a chunk and those of at most one chunk (_one_chunk), each skipping the
-    other's; decoded: the short launch skips the sequences of one token (kda_opt/decode computes
+    other's; decoded: the short launch skips the sequences of one token (kda_opt/recurrence computes
     them). order (packed): [N] int32, a permutation of the sequences (kda_opt/seqs.longest_first):
     program i of the grid computes sequence order[i] (the short launch keeps the grid's order).
     sequence_counts (short_sequences): the sequences counted on the host (kda_opt/seqs.Counts): a
@@ -587,23 +586,25 @@ def wuso(q, k, v, gcum, Tm, Aqk, scale: float, block_v: int, *, initial_state=No
     o = v if transition else torch.empty_like(v) if out is None else out      # (transition: never written)
     pool = _two_rows(final_state, 0) if write_slots else final_state
     rows = _two_rows(checkpoints, 1)
-    common = (q, k, v, gcum, Tm, Aqk, scale, block_v)
+    # What every launch of this call shares (launch_config's parameters by name).
+    common = dict(q=q, k=k, v=v, gcum=gcum, Tm=Tm, Aqk=Aqk, scale=scale, block_v=block_v, o=o, cu_seqlens=cu_seqlens,
+                  qk_rstd=qk_rstd, state_v_first=state_v_first, beta_residual=beta_residual, slots=slots,
+                  checkpoints=rows, checkpoint_rows=checkpoint_rows, checkpoint_every=checkpoint_every,
+                  checkpoint_first=checkpoint_first)
     if checkpoint_first is not None:
         # The heads from the initial states into `heads`, then the chunks from there (_sequence).
         B, _, HV, V = v.shape
         heads = v.new_empty(state_shape(num_sequences(B, cu_seqlens), HV, q.shape[-1], V, state_v_first),
                             dtype=torch.float32)
-        grid, first = launch_config(*common, initial_state, o, heads, cu_seqlens, qk_rstd, state_v_first,
-                                    beta_residual, slots, read_slots, False, has_initial_state, rows, checkpoint_rows,
-                                    checkpoint_every, False, HEADS, checkpoint_first)
-        _, rest = launch_config(*common, heads, o, pool, cu_seqlens, qk_rstd, state_v_first, beta_residual, slots,
-                                False, write_slots, None, rows, checkpoint_rows, checkpoint_every, False,
-                                EVERY_SEQUENCE, checkpoint_first, order)
+        grid, first = launch_config(**common, initial_state=initial_state, final_state=heads, read_slots=read_slots,
+                                    has_initial_state=has_initial_state, sequences=HEADS)
+        _, rest = launch_config(**common, initial_state=heads, final_state=pool, write_slots=write_slots,
+                                sequences=EVERY_SEQUENCE, order=order)
         launches = ((grid, first), (grid, rest))
     else:
-        grid, args = launch_config(*common, initial_state, o, pool, cu_seqlens, qk_rstd, state_v_first,
-                                   beta_residual, slots, read_slots, write_slots, has_initial_state, rows,
-                                   checkpoint_rows, checkpoint_every, transition, order=order)
+        grid, args = launch_config(**common, initial_state=initial_state, final_state=pool, read_slots=read_slots,
+                                   write_slots=write_slots, has_initial_state=has_initial_state, transition=transition,
+                                   order=order)
         launches = ((grid, args),)
         if short_sequences and cu_seqlens is not None:
             short = SEVERAL_ONLY if decoded else SHORT_ONLY

@@ -22,7 +22,7 @@ from triton.testing import do_bench
 
 from kda_bench.bench import case_from_args, measure_ceilings, parse_args as bench_args
 from kda_opt import kda_forward
-from kda_opt.calls import arguments_of
+from kda_opt.arguments import ForwardArguments
 from kda_opt.forward import RUN_TENSORS, run as run_plan
 from kda_opt.plan import Tuning, make_plan
 from kda_opt.wuso import WORKER_WARPS
@@ -98,7 +98,7 @@ def main():
     c = case_from_args(bench_args(rest))
     a = c.inputs()
     bw, _ = measure_ceilings()
-    plan = make_plan(arguments_of(kda_forward, **a), tuning=tuning_for(own.parallel_tokens))
+    plan = make_plan(ForwardArguments(**a), tuning=tuning_for(own.parallel_tokens))
     tensors = {n: a.get(n) for n in RUN_TENSORS}
     stages = record_stages(lambda launch: run_plan(plan, **tensors, launch=launch))
 

@@ -64,11 +64,11 @@ def nvtx_cost(inputs):
     runs them), then without (the range around the whole forward follows KDA_OPT_NVTX in both)."""
     from triton.testing import do_bench
     from kda_opt import kda_forward
-    from kda_opt.calls import arguments_of
+    from kda_opt.arguments import ForwardArguments
     from kda_opt.forward import RUN_TENSORS, run
     from kda_opt.launch import annotated, direct
     from kda_opt.plan import make_plan
-    plan, tensors = make_plan(arguments_of(kda_forward, **inputs)), {n: inputs.get(n) for n in RUN_TENSORS}
+    plan, tensors = make_plan(ForwardArguments(**inputs)), {n: inputs.get(n) for n in RUN_TENSORS}
     times = {label: sorted(do_bench(lambda: run(plan, **tensors, launch=launch), return_mode="median")
                            for _ in range(5))[2]
              for label, launch in (("with NVTX ranges", annotated), ("without", direct))}

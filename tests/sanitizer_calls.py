@@ -1,6 +1,6 @@
 """One small call of every launch path, for compute-sanitizer (tests/test_sanitizer.py runs this file
 under each of its tools): `python tests/sanitizer_calls.py [--poisoned] [NAME ...]` makes the calls
-named (all of them without names; each REPEATS times, its last replayed where it is bound) and prints
+named (all of them without names; each REPEATS times, its last replayed where it may be) and prints
 `call NAME` before each, so that the sanitizer's report
 shows which call an error came from. Run with PYTORCH_NO_CUDA_MEMORY_CACHING=1, so that every tensor
 is an allocation of its own and an access past one is outside it.
@@ -117,9 +117,9 @@ CALLS = {
                                        PARALLEL),
     "parallel segments, packed": lambda: run_tuned(pool_call([700, 30, 0, 900, 5], [3, 0, -1, 1, 2], 4), PARALLEL),
     "the longest ahead, a pool": lambda: run_ahead(pool_call([200, 1, 700, 0, 65, 700], [3, 0, -1, 1, 2, 4], 5)),
-    "the longest ahead as planned, a pool (bound)": lambda: kda_forward(**pool_call(
+    "the longest ahead as planned, a pool (replayed)": lambda: kda_forward(**pool_call(
         [300, 1, 4200, 64, 0, 700], [5, 0, -1, 2, 4, 1], 6, l2norm=True, beta_logits=True)),
-    "parallel segments as planned, a pool slot (bound)": lambda: kda_forward(**pool_call([8192], [2], 4, has=[True])),
+    "parallel segments as planned, a pool slot (replayed)": lambda: kda_forward(**pool_call([8192], [2], 4, has=[True])),
     "context-parallel transition": lambda: (Prepared(**{n: x for n, x in random_inputs(
         1, 395, H, K, seqlens=[130, 65, 200]).items() if n != "output_final_state"}).transition(),),
     "fp16": lambda: kda_forward(**random_inputs(1, 200, H, K, dtype=torch.float16, initial_state=True)),
@@ -171,7 +171,7 @@ CALLS = {
 
 
 # Each call made this many times, on new inputs of one signature: the first compiles, the second is
-# recorded and the third replayed (kda_opt/bound), so that every replayed launch is checked too.
+# recorded and the third replayed (kda_opt/replay), so that every replayed launch is checked too.
 REPEATS = 3
 
 

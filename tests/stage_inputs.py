@@ -7,14 +7,14 @@ import torch
 
 from kda_opt import reference as ref
 from kda_opt import kda_forward
-from kda_opt.calls import arguments_of
+from kda_opt.arguments import ForwardArguments
 from kda_opt.options import L2NORM_EPS
 from kda_opt.plan import Tuning, make_plan
 
 
 def plan_of(tuning: Tuning = Tuning(), sms: int | None = None, **arguments):
     """make_plan of kda_forward's call on these keyword arguments (its defaults for the others)."""
-    return make_plan(arguments_of(kda_forward, **arguments), tuning=tuning, sms=sms)
+    return make_plan(ForwardArguments(**arguments), tuning=tuning, sms=sms)
 
 
 def stage_inputs(B, T, H, K, V=None, HV=None, gate="safe", dtype=torch.float32, device="cpu", seed=0):

@@ -84,10 +84,10 @@ def test_benchmark_row_says_what_the_state_costs(monkeypatch):
 def test_kernel_columns_name_the_stages_kernels():
     """stage1_ms is the time of kernels named as stage 1's (kda_opt/gate); stages13_ms of every
     kernel before stage 4 (gate, intra, seqs), and of no other kernel of the package; n/a without CUDA."""
-    from kda_opt import decode, gate, intra, merge, seqs, wuso
+    from kda_opt import gate, intra, merge, recurrence, seqs, wuso
     kernel = lambda x: hasattr(x, "fn") or hasattr(x, "arg_names")       # a Triton JITFunction
     names = lambda module: {n for n, x in vars(module).items() if n.endswith("_kernel") and kernel(x)}
-    before, after = names(gate) | names(intra) | names(seqs), names(merge) | names(decode)
+    before, after = names(gate) | names(intra) | names(seqs), names(merge) | names(recurrence)
     assert before and after and {"wuso_kernel"} <= set(vars(wuso))
     assert all(n.startswith(bench.KERNEL_COLUMNS["stage1_ms"]) for n in names(gate))
     assert all(n.startswith(bench.KERNEL_COLUMNS["stages13_ms"]) for n in before)

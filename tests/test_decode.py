@@ -1,4 +1,4 @@
-"""kda_opt/decode (kda_decode): the kernel against the float64 decode reference (Triton's interpreter
+"""kda_opt/decode (kda_decode) and its kernels (kda_opt/recurrence): the kernel against the float64 decode reference (Triton's interpreter
 in fp32 without a GPU), the padding rules, and the argument checks."""
 import json
 import subprocess
@@ -7,9 +7,9 @@ import sys
 import pytest
 import torch
 
-from kda_opt.calls import arguments_of
+from kda_opt.arguments import DecodeArguments
 from kda_opt.decode import kda_decode, run
-from kda_opt.plan import GRID_AXIS_MAX, STREAMED_FROM, DecodePlan, make_decode_plan
+from kda_opt.decode_plan import GRID_AXIS_MAX, STREAMED_FROM, DecodePlan, make_decode_plan
 from kda_opt.reference import ERROR_FLOOR, reference_decode
 from tests.conftest import HAS_CUDA, ROOT, compile_env, gpu, kernel_device, rel_err
 from tests.stage_inputs import plan_of
@@ -76,7 +76,7 @@ def decoded(args, sms=None):
     an SM)."""
     if HAS_CUDA and sms is None:
         return kda_decode(**args)
-    plan = make_decode_plan(arguments_of(kda_decode, **args), sms=sms or SMS)
+    plan = make_decode_plan(DecodeArguments(**args), sms=sms or SMS)
     names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens", "ssm_state_indices",
              "num_accepted_tokens", "out", "intermediate_states_buffer", "intermediate_state_indices",
              "retrieve_parent_token")
@@ -265,7 +265,7 @@ def test_zero_accepted_tokens_is_a_pad_row():
 
 def plan(**overrides) -> DecodePlan:
     args = inputs(**{**dict(N=4, T=1, H=2, K=64, slots=6, indices=[5, 0, 3, 2], inplace=True), **overrides})
-    return make_decode_plan(arguments_of(kda_decode, **args), sms=SMS)
+    return make_decode_plan(DecodeArguments(**args), sms=SMS)
 
 
 def test_plan_reads_and_writes():
@@ -366,7 +366,7 @@ BAD_INPUTS = {
 def test_bad_inputs_raise(case):
     error, message, changes = BAD_INPUTS[case]
     with pytest.raises(error, match=message):
-        make_decode_plan(arguments_of(kda_decode, **bad(**changes)), sms=SMS)
+        make_decode_plan(DecodeArguments(**bad(**changes)), sms=SMS)
 
 
 @gpu
@@ -428,7 +428,7 @@ def sm90_cubin(num_warps=2, streamed=False, state="*fp32", **changes):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from kda_opt.decode import decode_kernel, streamed_decode_kernel
+    from kda_opt.recurrence import decode_kernel, streamed_decode_kernel
     fn = streamed_decode_kernel if streamed else decode_kernel
     params = fn.params
     names = {p.name for p in params}

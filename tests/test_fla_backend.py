@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kda_opt
-from kda_opt import decode, fla_backend, forward
+from kda_opt import decode, engines, fla_backend, forward
 from tests.conftest import gpu, rel_err
 
 fla_backends = pytest.importorskip("fla.backends")
@@ -45,7 +45,7 @@ def kimi_call(device="meta", dtype=torch.bfloat16, B=1, T=8, H=2, K=128, V=128):
 @pytest.fixture
 def on_hopper(monkeypatch):
     """The verifier's device check passes for any tensor, so CPU and meta tensors can be judged."""
-    monkeypatch.setattr(fla_backend, "_on_hopper", lambda device: True)
+    monkeypatch.setattr(engines, "on_hopper", lambda device: True)
 
 
 # ---- import and registration ----
@@ -78,19 +78,19 @@ def test_fla_kda_opt_0_disables(registry, backend, monkeypatch):
 # ---- the verifier ----
 
 def test_on_hopper_is_compute_capability_9_asked_once_per_device(monkeypatch):
-    assert not fla_backend._on_hopper(torch.device("cpu"))
+    assert not engines.on_hopper(torch.device("cpu"))
     asked = []
     for capability, hopper in (((9, 0), True), ((8, 0), False), ((10, 0), False)):
-        fla_backend._on_hopper.cache_clear()
+        engines.on_hopper.cache_clear()
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: asked.append(c) or c)
-        assert fla_backend._on_hopper(torch.device("cuda", 0)) is hopper
-        assert fla_backend._on_hopper(torch.device("cuda", 0)) is hopper
-    fla_backend._on_hopper.cache_clear()
+        assert engines.on_hopper(torch.device("cuda", 0)) is hopper
+        assert engines.on_hopper(torch.device("cuda", 0)) is hopper
+    engines.on_hopper.cache_clear()
     assert asked == [(9, 0), (8, 0), (10, 0)]
 
 
 def test_verifier_rejects_off_hopper(backend, monkeypatch):
-    monkeypatch.setattr(fla_backend, "_on_hopper", lambda device: False)
+    monkeypatch.setattr(engines, "on_hopper", lambda device: False)
     accepted, reason = backend.chunk_kda_verifier(**kimi_call())
     assert not accepted and "compute capability 9" in reason
 
@@ -317,11 +317,11 @@ def test_decode_verifier(decode_registry, on_hopper):
 
 
 def test_decode_verifier_checks_a_call_once_per_signature(decode_registry, on_hopper, monkeypatch):
-    from kda_opt import plan
+    from kda_opt import decode_plan, plan_cache
     made = []
-    real = plan.make_decode_plan
-    monkeypatch.setattr(plan, "make_decode_plan", lambda a, **kw: made.append(1) or real(a, **kw))
-    monkeypatch.setattr(plan, "_plans", {})                 # no signature of an earlier test
+    real = decode_plan.make_decode_plan
+    monkeypatch.setattr(decode_plan, "make_decode_plan", lambda a, **kw: made.append(1) or real(a, **kw))
+    monkeypatch.setattr(plan_cache, "_plans", {})           # no signature of an earlier test
     backend = decode_registry._backends["kda_opt"]
     call = decode_call()
     for _ in range(3):
@@ -331,7 +331,7 @@ def test_decode_verifier_checks_a_call_once_per_signature(decode_registry, on_ho
 
 
 def test_decode_verifier_rejects_off_hopper(decode_registry, monkeypatch):
-    monkeypatch.setattr(fla_backend, "_on_hopper", lambda device: False)
+    monkeypatch.setattr(engines, "on_hopper", lambda device: False)
     accepted, reason = decode_registry._backends["kda_opt"].verify("fused_recurrent_kda_fwd", **decode_call())
     assert not accepted and "compute capability 9" in reason
 
@@ -384,10 +384,11 @@ def layer(monkeypatch):
 
 @pytest.fixture
 def decode_stand_ins(monkeypatch):
-    """decode.call recorded; plan.decode_plan_for's checks made as on a GPU of one SM (CPU tensors)."""
-    from kda_opt import plan
+    """decode.call recorded; decode_plan.decode_plan_for's checks made as on a GPU of one SM (CPU tensors)."""
+    from kda_opt import decode_plan, plan_cache
     calls = []
-    monkeypatch.setattr(plan, "decode_plan_for", lambda a: plan.Entry(plan.make_decode_plan(a, sms=1)))
+    monkeypatch.setattr(decode_plan, "decode_plan_for",
+                        lambda a: plan_cache.Entry(decode_plan.make_decode_plan(a, sms=1)))
     monkeypatch.setattr(decode, "call", lambda entry, arguments: calls.append((entry, arguments)) or ("o", None))
     return calls
 
@@ -406,10 +407,10 @@ def test_layer_decode_runs_kda_decode_past_dispatch(layer, on_hopper, decode_sta
     (entry, arguments), = decode_stand_ins
     assert not own and entry.plan.write == 1 and entry.plan.state_v_first
     call = layer_decode_call()
-    assert arguments.keys() == set(inspect.signature(kda_opt.kda_decode).parameters)
-    assert arguments["inplace_final_state"] is False and arguments["ssm_state_indices"] is None
-    assert arguments["A_log"] is not None and arguments["output_final_state"] is True
-    assert arguments["q"].shape == call["q"].shape
+    assert arguments._fields == tuple(inspect.signature(kda_opt.kda_decode).parameters)
+    assert arguments.inplace_final_state is False and arguments.ssm_state_indices is None
+    assert arguments.A_log is not None and arguments.output_final_state is True
+    assert arguments.q.shape == call["q"].shape
 
 
 @pytest.mark.parametrize("case", ["FLA_KDA_OPT=0", "off Hopper", "refused", "FLA's own keyword"])
@@ -420,7 +421,7 @@ def test_layer_decode_left_to_fla(layer, on_hopper, decode_stand_ins, monkeypatc
     if case == "FLA_KDA_OPT=0":
         monkeypatch.setenv("FLA_KDA_OPT", "0")
     elif case == "off Hopper":
-        monkeypatch.setattr(fla_backend, "_on_hopper", lambda device: False)
+        monkeypatch.setattr(engines, "on_hopper", lambda device: False)
     elif case == "FLA's own keyword":
         extra = dict(transpose_state_layout=True)
     assert module.fused_recurrent_kda(**call, **extra) == ("fla o", "fla state")

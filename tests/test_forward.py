@@ -428,7 +428,7 @@ def test_compiled_launches_match_the_jit(call):
     """After a plan's first call its Triton kernels launch through their compiled handles: every
     Triton kernel of the call is in the table, and the numbers are the JIT's bit for bit (time
     segments: one gate and one intra handle serve segments of different lengths)."""
-    from kda_opt import decode, gate, intra, seqs
+    from kda_opt import gate, intra, recurrence, seqs
     tuning = Tuning(segment_tokens=128) if call == "time segments" else Tuning()
     args = {"default": lambda: random_inputs(1, 1000, 4, 128, initial_state=True),
             "flashkda packed": lambda: random_inputs(1, 777, 4, 128, seqlens=[1, 63, 64, 65, 584], l2norm=True,
@@ -441,7 +441,7 @@ def test_compiled_launches_match_the_jit(call):
     run(plan, **tensors, kernels=kernels)
     expected = {gate.gate_cumsum_kernel, intra.intra_chunk_kernel}
     if plan.packed:
-        expected |= {seqs.chunk_offsets_kernel, seqs.chunk_indices_kernel, decode.decode_kernel}
+        expected |= {seqs.chunk_offsets_kernel, seqs.chunk_indices_kernel, recurrence.decode_kernel}
     assert set(kernels) == expected
     o, s = run(plan, **tensors, kernels=kernels)
     assert torch.equal(o, o_jit) and torch.equal(s, s_jit)

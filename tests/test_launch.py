@@ -5,7 +5,7 @@ import types
 import pytest
 import torch
 
-from kda_opt import bound, fastpath, forward, launch
+from kda_opt import replay, fastpath, forward, launch
 from kda_opt.options import GateConfig
 
 
@@ -71,9 +71,9 @@ def test_untested_versions_take_the_public_launches(monkeypatch):
     streams = types.SimpleNamespace(current_stream=lambda: types.SimpleNamespace(cuda_stream=9))
     monkeypatch.setattr(fastpath.torch, "cuda", streams)
     assert fastpath.current_stream() == 9
-    entry = types.SimpleNamespace(bound=None, unbound=None, runs=0)
-    assert [bound.call(entry, (types.SimpleNamespace(is_cuda=True),), lambda: "ran") for _ in range(3)] == ["ran"] * 3
-    assert "not tested on these versions" in entry.unbound
+    entry = types.SimpleNamespace(replay=None, not_replayed=None, runs=0)
+    assert [replay.call(entry, (types.SimpleNamespace(is_cuda=True),), lambda: "ran") for _ in range(3)] == ["ran"] * 3
+    assert "not tested on these versions" in entry.not_replayed
 
 
 def test_gate_parameters_are_read_as_they_are():

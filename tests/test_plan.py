@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from inputs import PER_TOKEN, random_inputs
-from kda_opt import kda_forward
-from kda_opt.tables import piece_tables
+from kda_opt import kda_decode, kda_forward
+from kda_opt.arguments import DecodeArguments, ForwardArguments
+from kda_opt.segment_tables import piece_tables
 from kda_opt.seqs import RANK_MAX
 from kda_opt.intra import FP32_WARPS, NUM_WARPS
 from kda_opt.plan import (ParallelCut, Tuning, _parallel_pays, cut_sequences, parallel_segments,
@@ -231,23 +232,29 @@ def test_device_mismatch_raises(name):
         kda_forward(**args)
 
 
-# ---- the plan cache (kda_opt/plan.plan_for): make_plan stubbed, so that these run on CPU tensors ----
+@pytest.mark.parametrize("function, record", [(kda_forward, ForwardArguments), (kda_decode, DecodeArguments)])
+def test_argument_records_list_the_functions_parameters(function, record):
+    """Each call's record (kda_opt/arguments) has its function's parameters, in order, with their
+    defaults: the function builds it by keyword from every one of them."""
+    parameters = inspect.signature(function).parameters
+    assert record._fields == tuple(parameters)
+    assert record._field_defaults == {n: p.default for n, p in parameters.items()
+                                      if p.default is not inspect.Parameter.empty}
+
+
+# ---- the plan cache (kda_opt/plan.plan_for, kda_opt/plan_cache): make_plan stubbed, so that these run on CPU tensors ----
 
 @pytest.fixture
 def planned(monkeypatch):
     """plan_for with make_plan counting its calls: (plan_for, calls), calls a list of the arguments
     each new plan was made from."""
     import kda_opt.plan as plan_module
+    import kda_opt.plan_cache as plan_cache
     calls = []
     monkeypatch.setattr(plan_module, "make_plan", lambda a: calls.append(a) or object())
-    monkeypatch.setattr(plan_module, "_plans", {})
-    arguments = lambda **over: {**CALL_DEFAULTS, **cpu_args(output_final_state=False), **over}
+    monkeypatch.setattr(plan_cache, "_plans", {})
+    arguments = lambda **over: ForwardArguments(**{**cpu_args(output_final_state=False), **over})
     return (lambda **over: plan_module.plan_for(arguments(**over))), calls
-
-
-# kda_forward's arguments at its defaults (every one but q, k, v, g, beta), under cpu_args' values.
-CALL_DEFAULTS = {n: p.default for n, p in inspect.signature(kda_forward).parameters.items()
-                 if p.default is not inspect.Parameter.empty}
 
 SAME_SIGNATURE = {
     "the same tensors": lambda a: {},
@@ -332,13 +339,13 @@ def test_plan_cache_checks_host_copies_every_call(planned, case):
 
 def test_plan_cache_is_bounded(planned):
     """The oldest signature goes past PLAN_CACHE_SIZE."""
-    import kda_opt.plan as plan_module
+    import kda_opt.plan_cache as plan_cache
     plan_for, calls = planned
-    for scale in range(plan_module.PLAN_CACHE_SIZE + 1):
+    for scale in range(plan_cache.PLAN_CACHE_SIZE + 1):
         plan_for(scale=float(scale + 1))
-    assert len(plan_module._plans) == plan_module.PLAN_CACHE_SIZE
+    assert len(plan_cache._plans) == plan_cache.PLAN_CACHE_SIZE
     plan_for(scale=1.0)
-    assert len(calls) == plan_module.PLAN_CACHE_SIZE + 2
+    assert len(calls) == plan_cache.PLAN_CACHE_SIZE + 2
 
 
 def test_time_segments():
@@ -424,7 +431,7 @@ def test_cut_sequences():
 
 
 def test_piece_tables():
-    """The tables of cut sequences (kda_opt/tables): bounds, checkpoint rows as the packed layout
+    """The tables of cut sequences (kda_opt/segment_tables): bounds, checkpoint rows as the packed layout
     numbers them, first and last pieces, the merge's grid padded with the spare row, and the run of
     pieces each pass takes (pass 1 the cut sequences' pieces but their last, pass 2 their middle
     ones, pass 3 from the first piece that is not a cut sequence's first)."""

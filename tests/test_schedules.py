@@ -173,7 +173,7 @@ def test_one_pass_of_a_batch_with_a_dense_state():
 
 @pytest.mark.parametrize("v_first", [False, True])
 def test_one_pass_packed_with_a_pool_and_routed_decodes(v_first):
-    """Sequences of one token go through kda_opt/decode (its kernel under the interpreter), the
+    """Sequences of one token go through kda_opt/recurrence (its kernel under the interpreter), the
     others through stage 4: a padding slot (−1) starts from zeros and writes nothing, a slot past
     the pool reads zeros, has_initial_state false starts from zeros and still writes."""
     lens = [70, 1, 130, 1, 20]

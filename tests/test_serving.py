@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import kda_opt  # noqa: F401  registers the ops
 from inputs import random_inputs
 from kda_opt import kda_forward
-from kda_opt.calls import arguments_of
+from kda_opt.arguments import ForwardArguments
 from kda_opt.forward import RUN_TENSORS, run
 from kda_opt.plan import Pieces, Tuning, plan_for, schedule_of, takes_ahead
 from kda_opt.reference import ERROR_FLOOR, reference_forward
@@ -449,8 +449,8 @@ def test_kda_forward_takes_the_longest_ahead_bound():
     for seed in (22, 23):
         kda_forward(**call(seed))
     args = call(24)
-    entry = plan_for(arguments_of(kda_forward, **args))
-    assert takes_ahead(entry.plan, args["cu_seqlens_cpu"]) and entry.ahead.bound is not None, entry.ahead.unbound
+    entry = plan_for(ForwardArguments(**args))
+    assert takes_ahead(entry.plan, args["cu_seqlens_cpu"]) and entry.ahead.replay is not None, entry.ahead.not_replayed
     pool = args["initial_state"]
     replayed = {**args, "initial_state": pool.clone()}
     o, _ = kda_forward(**replayed)

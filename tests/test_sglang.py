@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kda_opt import engines
 from kda_opt import sglang as plugin
 from kda_opt.reference import ERROR_FLOOR, error_bound, reference_decode, reference_forward
 from tests.conftest import gpu, rel_err
@@ -130,7 +131,7 @@ def stood_in(monkeypatch):
     def decode(*args, **kw):
         seen["decode"] = (args, kw)
         return torch.zeros_like(args[2]), None
-    monkeypatch.setattr(plugin, "_on_hopper", lambda device: True)
+    monkeypatch.setattr(engines, "on_hopper", lambda device: True)
     monkeypatch.setattr(plugin, "kda_forward", forward)
     monkeypatch.setattr(plugin, "kda_decode", decode)
     return seen
@@ -281,7 +282,7 @@ def test_extend_returns_the_states_before_each_chunk(monkeypatch, track):
     """return_intermediate_states and track_state assembled from kda_forward's checkpoints (its float64
     stand-in here): h's row j of a request is its state before its chunk j (row 0 its pool row, zeros
     for a new request or −1), in k's dtype; track_state[n] the state before chunk track_chunk_idx[n]."""
-    monkeypatch.setattr(plugin, "_on_hopper", lambda device: True)
+    monkeypatch.setattr(engines, "on_hopper", lambda device: True)
     monkeypatch.setattr(plugin, "kda_forward", _recurrence)
     lens = [150, 64, 1, 70]
     call = calls.step("extend", 2, lens, "safe", device="cpu", pad=True)
@@ -317,7 +318,7 @@ def test_chain_verify_writes_each_draft_tokens_state(monkeypatch):
         final = kw["intermediate_states_buffer"]
         final.copy_(written)
         return o.to(args[2].dtype), final
-    monkeypatch.setattr(plugin, "_on_hopper", lambda device: True)
+    monkeypatch.setattr(engines, "on_hopper", lambda device: True)
     monkeypatch.setattr(plugin, "kda_decode", decode)
     call = calls.step("verify", 2, [1] * 3, "softplus", device="cpu")
     call["cache_indices"][1] = -1

@@ -20,11 +20,12 @@ import sys
 import pytest
 import torch
 
+from kda_opt import decode, engines
 from kda_opt import vllm as plugin
-from kda_opt.calls import arguments_of
+from kda_opt.arguments import DecodeArguments
 from kda_opt.decode import kda_decode
-from kda_opt.decode import run as run_decode
-from kda_opt.plan import make_decode_plan
+from kda_opt.decode_plan import make_decode_plan
+from kda_opt.plan_cache import Entry
 from kda_opt.reference import error_bound, reference_decode, reference_forward
 from tests.conftest import HAS_CUDA, INTERPRETED, ROOT, gpu, kernel_device, rel_err
 
@@ -215,15 +216,14 @@ def _pool(slots, H, V, K, dtype, device, seed=2):
 def _kda_decode_interpreted(*args, **kwargs):
     """kda_decode's plan run under the interpreter (make_decode_plan checks devices only on a GPU: the
     plan made here with an SM count)."""
-    call = arguments_of(kda_decode, *args, **kwargs)
-    return run_decode(make_decode_plan(call, sms=132), **{n: call[n] for n in inspect.signature(run_decode).parameters
-                                                          if n in call and n != "plan"})
+    call = DecodeArguments(*args, **kwargs)
+    return decode.call(Entry(make_decode_plan(call, sms=132)), call)
 
 
 def _on_hopper(monkeypatch):
     """The CPU taken as Hopper, so that the plugin's side runs here (kda_decode under the interpreter)."""
     if not HAS_CUDA:
-        monkeypatch.setattr(plugin, "_on_hopper", lambda device: True)
+        monkeypatch.setattr(engines, "on_hopper", lambda device: True)
         monkeypatch.setattr(plugin, "kda_decode", _kda_decode_interpreted)
 
 
@@ -356,7 +356,7 @@ def _forward_in_float64(q, k, v, g, beta, scale=None, initial_state=None, output
 def _forward(monkeypatch):
     """kda_forward as the plugin's side calls it: itself on the GPU, its float64 stand-in on the CPU."""
     if not HAS_CUDA:
-        monkeypatch.setattr(plugin, "_on_hopper", lambda device: True)
+        monkeypatch.setattr(engines, "on_hopper", lambda device: True)
         monkeypatch.setattr(plugin, "kda_forward", _forward_in_float64)
         monkeypatch.setattr(plugin, "_sms", lambda device: 132)
 
@@ -456,7 +456,7 @@ def test_one_sequence_runs_as_one_sequence(monkeypatch):
 def test_spec_decode_and_full_flashkda_calls_are_vllms(monkeypatch):
     """Speculative decode is vLLM's unless taken; K3's FlashKDA prefill past FLASHKDA_WAVES SMs' worth of
     (request, head) pairs is vLLM's (FlashKDA's)."""
-    monkeypatch.setattr(plugin, "_on_hopper", lambda device: True)
+    monkeypatch.setattr(engines, "on_hopper", lambda device: True)
     monkeypatch.setattr(plugin, "_sms", lambda device: 4)
     own = lambda *a, **kw: "vllm"
     t = _tokens([3], 2, 64, 64, torch.float32, "cpu")
@@ -470,7 +470,7 @@ def test_spec_decode_and_full_flashkda_calls_are_vllms(monkeypatch):
 
 def test_packed_decode_takes_steps_from_its_rule(monkeypatch):
     """Steps of fewer than PACKED_DECODE_FROM requests are vLLM's own kernel's; from it, kda_decode's."""
-    monkeypatch.setattr(plugin, "_on_hopper", lambda device: True)
+    monkeypatch.setattr(engines, "on_hopper", lambda device: True)
     monkeypatch.setattr(plugin, "kda_decode", lambda q, *a, **kw: (torch.zeros(q.shape[0], 1, 2, 64), None))
     own = lambda *a, **kw: "vllm"
     pool = torch.zeros(4, 2, 64, 64)

@@ -95,10 +95,10 @@ def planned_call(args, tuning):
     """kda_forward's call on its keyword arguments `args` under a plan made once, now, with other
     launch knobs (kda_opt/plan.Tuning): a function of no arguments, timed without the planning."""
     from kda_opt import kda_forward
-    from kda_opt.calls import arguments_of
+    from kda_opt.arguments import ForwardArguments
     from kda_opt.forward import RUN_TENSORS, run
     from kda_opt.plan import make_plan
-    plan, tensors = make_plan(arguments_of(kda_forward, **args), tuning=tuning), {n: args.get(n) for n in RUN_TENSORS}
+    plan, tensors = make_plan(ForwardArguments(**args), tuning=tuning), {n: args.get(n) for n in RUN_TENSORS}
     return lambda: run(plan, **tensors)
 
 

@@ -1,6 +1,6 @@
 """The device tables a schedule's stage-4 passes read, made by kda_opt/plan.schedule_of as it resolves
 a call (kda_opt/schedules, "Parallel segments", runs them): one sequence's parallel segments'
-bounds, checkpoint rows and slot rows (package constants, so that a bound call replays them), or
+bounds, checkpoint rows and slot rows (package constants, so that a replay takes them), or
 packed sequences' pieces' (copied from pinned memory); each cached per segmentation.
 """
 import functools

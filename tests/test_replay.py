@@ -1,12 +1,12 @@
-"""A call bound once per signature (kda_opt/bound): on the CPU with stand-in kernels, what a recording
-keeps and how a replay fills in new addresses, and every reason a call stays unbound; on the GPU,
+"""A call recorded once per signature and replayed (kda_opt/replay): on the CPU with stand-in kernels, what a
+recording keeps and how a replay fills in new addresses, and every reason a call is not replayed; on the GPU,
 kda_forward's and kda_decode's replayed calls bit for bit those the stages make."""
 import types
 
 import pytest
 import torch
 
-from kda_opt import bound, fastpath, launch
+from kda_opt import replay, fastpath, launch
 from tests.conftest import gpu
 
 
@@ -64,12 +64,12 @@ CONSTANT = launch.constant(torch.zeros(1))
 def test_replay_fills_in_the_new_addresses(stand_ins):
     compiled, tiles = stand_ins
     a, b = torch.randn(3), torch.randn(2, 2)
-    (o, none), recording = bound.record(lambda: a_call(compiled, a, b), (a, b, None))
-    replay = recording.bound((o, none))
+    (o, none), recording = replay.record(lambda: a_call(compiled, a, b), (a, b, None))
+    replayed = recording.replay((o, none))
     y_offset = compiled.runs[0][1] - recording.buffers[0].data_ptr()    # y's place in the workspace
     compiled.runs.clear(), tiles.clear()
     a2, b2 = torch.randn(3), torch.randn(2, 2)
-    o2, none2 = replay((a2, b2, None))
+    o2, none2 = replayed((a2, b2, None))
     assert none2 is None and o2.shape == b.shape and o2.dtype == b.dtype and o2.data_ptr() != o.data_ptr()
     (args,), (replayed,) = compiled.runs, Replayed.made
     assert not tiles        # the cuTile launch replayed through the driver, not ct.launch
@@ -85,24 +85,24 @@ def test_replay_fills_in_the_new_addresses(stand_ins):
 
 
 def test_bound_keeps_no_tensor_of_the_recorded_call(stand_ins):
-    """A Bound holds none of the recorded call's inputs, buffers or results (a plan's entry would
+    """A Replay holds none of the recorded call's inputs, buffers or results (a plan's entry would
     otherwise keep their memory for as long as the plan is cached), only the package's constants."""
     import gc
     import weakref
     compiled, tiles = stand_ins
     a, b = torch.randn(3), torch.randn(2, 2)
-    (o, _), recording = bound.record(lambda: a_call(compiled, a, b), (a, b, None))
-    replay = recording.bound((o, None))
+    (o, _), recording = replay.record(lambda: a_call(compiled, a, b), (a, b, None))
+    replayed = recording.replay((o, None))
     kept = [weakref.ref(x) for x in (a, b, o, *recording.buffers)]
     del a, b, o, recording
     tiles.clear()                                   # the stand-in cuTile launch's own record of them
     gc.collect()
-    assert all(ref() is None for ref in kept) and replay is not None
+    assert all(ref() is None for ref in kept) and replayed is not None
 
 
 def test_a_bound_call_holds_the_constants_it_replays(stand_ins):
-    """The package holds its constants weakly (a cache that drops one frees it); a Bound that takes
-    one as it is (its address baked into a launch) holds it until the Bound itself is dropped."""
+    """The package holds its constants weakly (a cache that drops one frees it); a Replay that takes
+    one as it is (its address baked into a launch) holds it until the Replay itself is dropped."""
     import gc
     import weakref
     compiled, tiles = stand_ins
@@ -113,14 +113,14 @@ def test_a_bound_call_holds_the_constants_it_replays(stand_ins):
         launch.triton_launch("fn", (1,), {"fn": compiled}, table, o, 0, o, None)
         return o, None
     a, b = torch.randn(3), torch.randn(2, 2)
-    (o, _), recording = bound.record(lambda: call(a, b), (a, b))
-    replay = recording.bound((o, None))
+    (o, _), recording = replay.record(lambda: call(a, b), (a, b))
+    replayed = recording.replay((o, None))
     kept = weakref.ref(table)
     del table, recording, o, call
     tiles.clear()
     gc.collect()
     assert kept() is not None and launch.is_constant(kept())
-    del replay
+    del replayed
     gc.collect()
     assert kept() is None
 
@@ -138,10 +138,10 @@ def test_a_copy_is_replayed_in_its_place(stand_ins, source):
         o.view(-1)[:3].copy_(a if source == "an input" else table)
         return o, None
     a, b = torch.randn(3), torch.randn(2, 2)
-    (o, _), recording = bound.record(lambda: call(a, b), (a, b))
+    (o, _), recording = replay.record(lambda: call(a, b), (a, b))
     assert [kind for kind, *_ in recording.launches] == ["triton", "cutile", "copy"]
     a2 = torch.randn(3)
-    o2, _ = recording.bound((o, None))((a2, torch.randn(2, 2)))
+    o2, _ = recording.replay((o, None))((a2, torch.randn(2, 2)))
     assert torch.equal(o2.view(-1)[:3], a2 if source == "an input" else table)
 
 
@@ -166,21 +166,21 @@ def test_unbound_calls_say_why(stand_ins, monkeypatch, case):
     inputs = (a, b, a) if case == "one tensor as two inputs" else (a, b)
     if case == "no compiled kernel":       # the interpreter's launch: the JIT, which gives no compiled kernel
         monkeypatch.setattr(launch, "triton_launch", _jit_launch)
-    result, recording = bound.record(lambda: call(compiled, a, b), inputs)
-    with pytest.raises(bound.Unbindable, match=words):
-        recording.bound(result[0] if isinstance(result[0], tuple) else result)
+    result, recording = replay.record(lambda: call(compiled, a, b), inputs)
+    with pytest.raises(replay.NotReplayable, match=words):
+        recording.replay(result[0] if isinstance(result[0], tuple) else result)
 
 
-def test_a_cutile_launch_the_driver_cannot_replay_leaves_the_call_unbound(stand_ins, monkeypatch):
+def test_a_cutile_launch_the_driver_cannot_replay_leaves_the_call_not_replayed(stand_ins, monkeypatch):
     compiled, _ = stand_ins
 
     def unreplayable(*args):
         raise fastpath.ReplayError("no format for a float16 scalar")
     monkeypatch.setattr(fastpath, "CutileReplay", unreplayable)
     a, b = torch.randn(3), torch.randn(2, 2)
-    result, recording = bound.record(lambda: a_call(compiled, a, b), (a, b))
-    with pytest.raises(bound.Unbindable, match="cuTile launch cannot be replayed: no format"):
-        recording.bound(result)
+    result, recording = replay.record(lambda: a_call(compiled, a, b), (a, b))
+    with pytest.raises(replay.NotReplayable, match="cuTile launch cannot be replayed: no format"):
+        recording.replay(result)
 
 
 def _jit_launch(fn, grid, kernels, *params, **args):
@@ -188,34 +188,55 @@ def _jit_launch(fn, grid, kernels, *params, **args):
 
 
 def test_call_records_the_second_run_and_replays_later_ones(monkeypatch):
-    """bound.call: the first run plain, the second recorded into the entry, later ones replayed;
-    an unbindable plan, NVTX ranges and launch hooks run plain."""
-    entry = types.SimpleNamespace(bound=None, unbound=None, runs=0)
+    """replay.call: the first run plain, the second recorded into the entry, later ones replayed;
+    a plan that is not replayable, replays turned off (KDA_OPT_REPLAY=0), NVTX ranges and launch
+    hooks run plain."""
+    entry = types.SimpleNamespace(replay=None, not_replayed=None, runs=0)
     x = types.SimpleNamespace(is_cuda=True)
     monkeypatch.setattr(fastpath, "FAST", True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     recorded = []
-    monkeypatch.setattr(bound, "record", lambda run, inputs: (recorded.append(inputs) or run(), _Recording()))
+    monkeypatch.setattr(replay, "record", lambda run, inputs: (recorded.append(inputs) or run(), _Recording()))
     runs = []
     run = lambda: runs.append(1) or "ran"
-    assert [bound.call(entry, (x,), run) for _ in range(3)] == ["ran", "ran", "replayed"]
+    assert [replay.call(entry, (x,), run) for _ in range(3)] == ["ran", "ran", "replayed"]
     assert len(runs) == 2 and len(recorded) == 1
     monkeypatch.setenv(launch.NVTX_VARIABLE, "1")
-    assert bound.call(entry, (x,), run) == "ran"
+    assert replay.call(entry, (x,), run) == "ran"
     monkeypatch.setenv(launch.NVTX_VARIABLE, "0")
-    plain = types.SimpleNamespace(bound=None, unbound=None, runs=0)
-    assert [bound.call(plain, (x,), run, "it runs in time segments") for _ in range(3)] == ["ran"] * 3
-    assert plain.unbound == "it runs in time segments" and len(recorded) == 1
+    monkeypatch.setattr(replay, "ENABLED", False)
+    assert replay.call(entry, (x,), run) == "ran"
+    fresh = types.SimpleNamespace(replay=None, not_replayed=None, runs=0)
+    assert [replay.call(fresh, (x,), run) for _ in range(3)] == ["ran"] * 3 and len(recorded) == 1
+    monkeypatch.setattr(replay, "ENABLED", True)
+    plain = types.SimpleNamespace(replay=None, not_replayed=None, runs=0)
+    assert [replay.call(plain, (x,), run, "it runs in time segments") for _ in range(3)] == ["ran"] * 3
+    assert plain.not_replayed == "it runs in time segments" and len(recorded) == 1
 
 
-def test_plans_that_launch_by_more_than_their_signature_are_unbindable():
-    """Plan.unbindable: time segments (two streams) and launches sized from cu_seqlens_cpu's lengths
+@pytest.mark.parametrize("value, enabled", [(None, True), ("1", True), ("0", False)])
+def test_replay_switch_is_read_from_the_environment(value, enabled):
+    """KDA_OPT_REPLAY=0 in the environment when kda_opt is imported turns replays off; unset or any
+    other value leaves them on."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != replay.REPLAY_VARIABLE}
+    if value is not None:
+        env[replay.REPLAY_VARIABLE] = value
+    out = subprocess.run([sys.executable, "-c", "import kda_opt.replay as r; print(r.ENABLED)"], env=env,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == str(enabled)
+
+
+def test_plans_that_launch_by_more_than_their_signature_are_not_replayable():
+    """Plan.not_replayable: time segments (two streams) and launches sized from cu_seqlens_cpu's lengths
     (sized launches, parallel cuts) give a reason; a one-pass plan none, nor parallel segments (their
     launches follow the plan; what they run besides is the recording's to judge)."""
     from kda_opt.plan import Plan
     plan = lambda **over: types.SimpleNamespace(**{**dict(parallel=False, segments=((0, 64),), parallel_cut=None,
                                                             sized_launches=False), **over})
-    reason = Plan.unbindable.fget
+    reason = Plan.not_replayable.fget
     assert reason(plan()) is None
     assert reason(plan(segments=((0, 64), (64, 128)))) == "it runs in time segments"
     assert reason(plan(parallel=True, segments=((0, 64), (64, 128), (128, 192)))) is None
@@ -223,7 +244,7 @@ def test_plans_that_launch_by_more_than_their_signature_are_unbindable():
 
 
 class _Recording:
-    def bound(self, result):
+    def replay(self, result):
         return lambda inputs: "replayed"
 
 
@@ -270,44 +291,59 @@ CALL_NAMES = ["dense", "FlashKDA's call", "softplus, bf16 gate parameters", "pac
               "decode, a pool in place"]
 
 
+# Packed sequences whose longest is cut into parallel pieces on each call (plan.CUT_FROM tokens, half
+# the call's): launches sized from the host lengths, so never replayed.
+PIECES = [33000, 300, 100]
+
+
 @gpu
-@pytest.mark.parametrize("name", CALL_NAMES)
-def test_replayed_calls_equal_the_stages(name):
-    """A signature's third call is replayed; on new inputs it gives bit for bit what the stages give
-    (kda_opt/forward.run, kda_opt/decode.run), pools and checkpoints included."""
+@pytest.mark.parametrize("name", CALL_NAMES + ["pieces of packed sequences (not replayed)"])
+def test_replayed_and_plain_calls_agree(name, monkeypatch):
+    """The replay switch (kda_opt/replay.ENABLED, KDA_OPT_REPLAY=0): a signature's third call,
+    replayed, and the same call with replays off (the stages' Python on every call) give the same
+    outputs, pools and checkpoints bit for bit, on every schedule; with replays off no call of a
+    fresh signature is recorded or replayed, with them on a replayable one is."""
     import kda_opt.decode as decode
     import kda_opt.forward as forward
-    from kda_opt.plan import decode_plan_for, plan_for, takes_ahead
+    import kda_opt.plan_cache as plan_cache
+    from inputs import random_inputs
+    from kda_opt.arguments import DecodeArguments, ForwardArguments
+    from kda_opt.decode_plan import decode_plan_for
+    from kda_opt.plan import plan_for, takes_ahead
     forward_calls, decode_calls = _calls()
+    forward_calls["pieces of packed sequences (not replayed)"] = lambda: random_inputs(
+        1, sum(PIECES), 8, 128, seqlens=PIECES, initial_state=True)
     is_decode = name in decode_calls
     make = (decode_calls if is_decode else forward_calls)[name]
     function = decode.kda_decode if is_decode else forward.kda_forward
-    for _ in range(2):
-        function(**make())
+
+    def entry_of(args):
+        if is_decode:
+            return decode_plan_for(DecodeArguments(**args))
+        entry = plan_for(ForwardArguments(**args))
+        return entry.ahead if takes_ahead(entry.plan, args.get("cu_seqlens_cpu")) else entry
+
+    def fresh(enabled):
+        """A fresh plan cache, replays on or off, and a signature's first two calls made."""
+        monkeypatch.setattr(plan_cache, "_plans", {})
+        monkeypatch.setattr(replay, "ENABLED", enabled)
+        for _ in range(2):
+            function(**make())
+
+    fresh(True)
     args = make()
     written = [n for n in ("initial_state", "checkpoints") if n in args and (
         "initial_state_indices" in args or "ssm_state_indices" in args or n == "checkpoints")]
     again = {**args, **{n: args[n].new_empty_strided(args[n].shape, args[n].stride()).copy_(args[n]) for n in written}}
-    replayed = function(**args)
-    if is_decode:
-        import inspect
-        named = inspect.signature(decode.kda_decode).bind(**again)
-        named.apply_defaults()
-        entry = decode_plan_for(dict(named.arguments))
-        stages = decode.run(entry.plan, *(named.arguments[n] for n in (
-            "q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens", "ssm_state_indices",
-            "num_accepted_tokens", "out")), kernels=entry.kernels)
+    replayed, entry = function(**args), entry_of(args)
+    if "not replayed" in name:
+        assert entry.replay is None and "cu_seqlens_cpu" in entry.not_replayed
     else:
-        import inspect
-        named = inspect.signature(forward.kda_forward).bind(**again)
-        named.apply_defaults()
-        entry = plan_for(dict(named.arguments))
-        ahead = takes_ahead(entry.plan, named.arguments["cu_seqlens_cpu"])     # then its own entry
-        entry = entry.ahead if ahead else entry
-        stages = forward.run(entry.plan, **{n: named.arguments[n] for n in forward.RUN_TENSORS}, kernels=entry.kernels,
-                             ahead=ahead)
-    assert entry.bound is not None, entry.unbound
-    for x, y in zip(replayed, stages):
+        assert entry.replay is not None, entry.not_replayed
+    fresh(False)
+    plain, plain_entry = function(**again), entry_of(again)     # the same inputs, the stages' Python
+    assert plain_entry.replay is None and plain_entry.runs == 0
+    for x, y in zip(replayed, plain):
         assert (x is None) == (y is None) and (x is None or torch.equal(x, y))
     for n in written:       # bit for bit: rows no call writes hold what the allocation held, NaNs among it
         assert torch.equal(args[n].view(torch.uint8), again[n].view(torch.uint8)), n

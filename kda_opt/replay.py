@@ -1,27 +1,33 @@
-"""A call bound once per signature: its launches recorded from one run, then replayed.
+"""Record and replay: a call's launches recorded once per signature, then replayed without the
+stages' Python.
 
 Under one plan (kda_opt/plan's call signature: every tensor's shape, strides, dtype, device and
 alignment, every option) a call makes the same launches every time but for addresses: the same
 kernels, grids and integer arguments, buffers of the same sizes. So a signature's second call runs
 as ever under a Recording, which keeps each launch with its arguments, each buffer the call
-allocates, and which tensors are the call's inputs. Its later calls replay that (Bound): one
+allocates, and which tensors are the call's inputs. Its later calls replay that (Replay): one
 allocation per buffer the call returns and one for all the others, then the recorded launches with
 the new addresses, without the stages' Python: Triton's through their compiled launchers, cuTile's
 through the CUDA driver with their parameters packed once (kda_opt/fastpath.CutileReplay). (The first
-call is left unrecorded: it compiles.)
+call is left unrecorded: it compiles.) A replay computes what the recorded Python would, bit for bit
+(tests/test_replay.py checks it on every schedule); KDA_OPT_REPLAY=0 in the environment turns it
+off (read when kda_opt is imported): every call then runs the stages' Python.
 
-A call is bound only where replaying it is sound, and otherwise runs as ever (Entry.unbound says
-why): every tensor a launch takes is one of the call's inputs, a buffer the call allocated or a
+A call is recorded only where replaying it is sound, and otherwise runs as ever (Entry.not_replayed
+says why): every tensor a launch takes is one of the call's inputs, a buffer the call allocated or a
 constant of the package (kda_opt/launch.constant); the call runs no torch operation but allocations,
 views and copies from one of those tensors into another (replayed in their place among the launches;
 a fill, a cast or a concatenation made outside the launches would not be); and its launches depend
-on nothing outside the signature (kda_opt/plan's Plan.unbindable: no launch sized from a host copy's
-lengths, no time segments on two streams), and the versions installed are those the replay's private
-launch interfaces were tested on (kda_opt/fastpath.FAST). A call that runs work on a side stream
-(kda_opt/schedules' longest ahead) is replayed on the same side stream, each launch on the stream it
-ran on and each wait between the streams (kda_opt/launch.wait) where it was made.
+on nothing outside the signature (kda_opt/plan's Plan.not_replayable: no launch sized from a host
+copy's lengths, no time segments on two streams), and the versions installed are those the replay's
+private launch interfaces were tested on (kda_opt/fastpath.FAST). A call that runs work on a side
+stream (kda_opt/schedules' longest ahead) is replayed on the same side stream, each launch on the
+stream it ran on and each wait between the streams (kda_opt/launch.wait) where it was made. Nothing
+invalidates a replay but its signature: a new signature (any shape, stride, dtype, alignment or
+option) is planned and recorded anew.
 """
 import contextlib
+import os
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -33,7 +39,7 @@ ALLOCATIONS = (aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, 
 ALIGN = launch.BUFFER_ALIGN     # the buffers' offsets in the one workspace allocation
 
 
-class Unbindable(Exception):
+class NotReplayable(Exception):
     """Why a recorded call cannot be replayed."""
 
 
@@ -91,12 +97,12 @@ class Recording(TorchDispatchMode):
         self.streams.append(stream)
         return len(self.streams) - 1
 
-    def bound(self, outputs: tuple) -> "Bound":
-        """The Bound that replays this run, whose results were `outputs` (tensors or None); raises
-        Unbindable."""
+    def replay(self, outputs: tuple) -> "Replay":
+        """The Replay of this run, whose results were `outputs` (tensors or None); raises
+        NotReplayable."""
         if self.reason:
-            raise Unbindable(self.reason)
-        return Bound(self, outputs)
+            raise NotReplayable(self.reason)
+        return Replay(self, outputs)
 
 
 def _same_storage(out, x) -> bool:
@@ -121,8 +127,8 @@ def record(call, inputs: tuple):
     return result, recording
 
 
-class Bound:
-    """A recorded call, replayed on new inputs of its signature: bound(inputs) → the call's result."""
+class Replay:
+    """A recorded call, replayed on new inputs of its signature: replay(inputs) → the call's result."""
 
     def __init__(self, recording: Recording, outputs: tuple):
         inputs, buffers = recording.inputs, recording.buffers
@@ -160,14 +166,14 @@ class Bound:
                     if launch.is_constant(x):
                         self.constants.append(x)
                         return ("constant", x)
-                    raise Unbindable(f"a launch takes a {list(x.shape)} {x.dtype} tensor that is neither an "
+                    raise NotReplayable(f"a launch takes a {list(x.shape)} {x.dtype} tensor that is neither an "
                                      "input, a buffer of the call nor a constant")
                 allocation, offset = place[j]
                 offset += x.data_ptr() - buffers[j].data_ptr()
                 if not as_tensor:
                     how = (allocation, offset)
                 elif offset % x.element_size():
-                    raise Unbindable("a buffer's view starts inside an element")
+                    raise NotReplayable("a buffer's view starts inside an element")
                 else:
                     whole = (j in returned and offset == 0 and x.dtype == buffers[j].dtype
                              and x.shape == buffers[j].shape and x.stride() == buffers[j].stride())
@@ -211,7 +217,7 @@ class Bound:
                 try:
                     replay = fastpath.CutileReplay(kernel, grid, arguments, tuple(replaced))
                 except fastpath.ReplayError as e:
-                    raise Unbindable(f"its cuTile launch cannot be replayed: {e}") from None
+                    raise NotReplayable(f"its cuTile launch cannot be replayed: {e}") from None
                 self.launches.append((kind, replay, None, None, fills, stream))
             else:
                 self.launches.append((kind, None, None, None, [source(x, True) for x in arguments], stream))
@@ -258,13 +264,13 @@ class Bound:
 
 def _input_of(x: torch.Tensor, inputs: tuple) -> int | None:
     """The index of the input x is (itself, or a view with its address, shape, strides and dtype),
-    or None; Unbindable where that names more than one input (one tensor passed twice)."""
+    or None; NotReplayable where that names more than one input (one tensor passed twice)."""
     same = [i for i, y in enumerate(inputs) if y is x]
     if not same:
         same = [i for i, y in enumerate(inputs) if y is not None and y.data_ptr() == x.data_ptr()
                 and y.dtype == x.dtype and y.shape == x.shape and y.stride() == x.stride()]
     if len(same) > 1:
-        raise Unbindable("one tensor is given as two inputs")
+        raise NotReplayable("one tensor is given as two inputs")
     return same[0] if same else None
 
 
@@ -277,28 +283,35 @@ def _buffer_of(x: torch.Tensor, buffers: list) -> int | None:
     return None
 
 
-def call(entry, inputs: tuple, run, unbindable: str | None = None):
-    """run(), the call of entry's plan (kda_opt/plan.Entry) on `inputs` (its tensors in a fixed order,
-    None where absent): replayed where the entry is bound; else run, and on the signature's second
-    run recorded into the entry where it may be bound (`unbindable`: the plan's reason why not, or
-    None). Every call runs as it is (no replay, no recording) while NVTX ranges or a launch hook ask
-    for each stage's launch (kda_opt/launch); a recording waits for a CUDA call outside graph capture."""
-    if launch.nvtx_enabled() or launch.launch_hooks():
+# Whether calls are recorded and replayed: not where KDA_OPT_REPLAY=0 is in the environment when
+# kda_opt is imported (a test may set it).
+REPLAY_VARIABLE = "KDA_OPT_REPLAY"
+ENABLED = os.environ.get(REPLAY_VARIABLE, "1") != "0"
+
+
+def call(entry, inputs: tuple, run, not_replayable: str | None = None):
+    """run(), the call of entry's plan (kda_opt/plan_cache.Entry) on `inputs` (its tensors in a fixed
+    order, None where absent): replayed where the entry holds a replay; else run, and on the
+    signature's second run recorded into the entry where it may be replayed (`not_replayable`: the
+    plan's reason why not, or None). Every call runs as it is (no replay, no recording) where
+    KDA_OPT_REPLAY=0 turns replays off, or while NVTX ranges or a launch hook ask for each stage's
+    launch (kda_opt/launch); a recording waits for a CUDA call outside graph capture."""
+    if not ENABLED or launch.nvtx_enabled() or launch.launch_hooks():
         return run()
-    if entry.bound is not None:
-        return entry.bound(inputs)
-    if entry.unbound is None:
+    if entry.replay is not None:
+        return entry.replay(inputs)
+    if entry.not_replayed is None:
         if not fastpath.FAST:
-            entry.unbound = "a replay takes private launch interfaces not tested on these versions (kda_opt/fastpath)"
-        elif unbindable is not None:
-            entry.unbound = unbindable
+            entry.not_replayed = "a replay takes private launch interfaces not tested on these versions (kda_opt/fastpath)"
+        elif not_replayable is not None:
+            entry.not_replayed = not_replayable
         elif inputs[0].is_cuda and not torch.cuda.is_current_stream_capturing():
             entry.runs += 1
             if entry.runs > 1:
                 result, recording = record(run, inputs)
                 try:
-                    entry.bound = recording.bound(result)
-                except Unbindable as e:
-                    entry.unbound = str(e)
+                    entry.replay = recording.replay(result)
+                except NotReplayable as e:
+                    entry.not_replayed = str(e)
                 return result
     return run()
