@@ -13,6 +13,12 @@ if not HAS_CUDA:
 
 # Imported only now, after TRITON_INTERPRET: importing kda_opt defines its Triton kernels.
 from kda_opt.reference import rel_err  # noqa: E402,F401  the one error measure of every test
+import triton  # noqa: E402
+
+# triton.next_power_of_2 as Triton defines it, kept before any test imports SGLang, whose import replaces
+# it with a plain function (sglang.srt.utils.common) that Triton 3.6 refuses inside a kernel, where
+# vLLM's kernels call it (tests/test_vllm.py puts it back around each of its tests).
+TRITON_NEXT_POWER_OF_2 = triton.next_power_of_2
 
 
 

@@ -27,7 +27,7 @@ from kda_opt.decode import kda_decode
 from kda_opt.decode_plan import make_decode_plan
 from kda_opt.plan_cache import Entry
 from kda_opt.reference import error_bound, reference_decode, reference_forward
-from tests.conftest import HAS_CUDA, INTERPRETED, ROOT, gpu, kernel_device, rel_err
+from tests.conftest import HAS_CUDA, INTERPRETED, ROOT, TRITON_NEXT_POWER_OF_2, gpu, kernel_device, rel_err
 
 if not HAS_CUDA:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -76,6 +76,13 @@ def _range(*args):
     counters out as ints, on which vLLM's kernels call .to()."""
     for i in builtins.range(*(int(a.handle.data.item()) if hasattr(a, "handle") else int(a) for a in args)):
         yield tl.full([], i, tl.int32)
+
+
+@pytest.fixture(autouse=True)
+def _tritons_own_next_power_of_2(monkeypatch):
+    """vLLM's kernels call triton.next_power_of_2 inside a kernel: Triton's own, whatever an SGLang
+    import in the same process (tests/test_sglang.py on one xdist worker) replaced it with."""
+    monkeypatch.setattr(triton, "next_power_of_2", TRITON_NEXT_POWER_OF_2)
 
 
 @pytest.fixture(scope="module")
