@@ -143,7 +143,8 @@ def test_options_parse():
     assert args["lower_bound"] == -3.0 and args["q"].dtype == torch.float16
 
 
-@pytest.mark.parametrize("bad", [["--chunk-size", "32"], ["--test", "speed"], ["--dtype", "fp8"]])
+@pytest.mark.parametrize("bad", [["--chunk-size", "32"], ["--test", "speed"], ["--dtype", "fp8"],
+                                 ["--sweep", "--sweep-gates", "safe_no_A"]])
 def test_bad_options_exit_2(bad):
     with pytest.raises(SystemExit) as e:
         bench.parse_args(bad)

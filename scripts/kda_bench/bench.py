@@ -41,7 +41,7 @@ from kda_opt.reference import ERROR_FLOOR, error_bound, rel_err
 from . import cp, decode, host, model, peers, serving, sglang, vllm
 from .common import (CONFIGS, DTYPES, NOT_RUN, Case, echo, gpu_tag, medians_in_turns, progress, read_csv,
                      write_table)
-from .inputs import DECAYS
+from .inputs import DECAYS, GATES
 
 # The float64 recurrence walks T token by token over [B, HV, K, V] float64 states: keep it under
 # this many state elements × tokens (about a second on a GPU) by trimming T, and say so.
@@ -118,7 +118,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms")
     p.add_argument("--sweep", action="store_true", help="the sweep → profiles/benchmark_<gpu>.csv/.png")
-    p.add_argument("--sweep-gates", help="gate modes the sweep runs (default safe,softplus; safe with "
+    p.add_argument("--sweep-gates", help=f"gate modes the sweep runs, among {', '.join(GATES)} "
+                                         "(default safe,softplus; safe with "
                                          "--config flashkda); its rows replace those of the same case "
                                          "in an existing CSV, so a sweep can be run in parts")
     p.add_argument("--sweep-rows", choices=["all", "shapes", "serving", "peers", "short", "step", "dtypes", "load",
@@ -161,6 +162,8 @@ def parse_args(argv=None):
     if not set(args.sglang_calls.split(",")) <= set(sglang.METHODS):
         p.error(f"--sglang-calls: among {', '.join(sglang.METHODS)}, got {args.sglang_calls}")
     args.sweep_gates = args.sweep_gates or ("safe" if args.config == "flashkda" else "safe,softplus")
+    if not set(args.sweep_gates.split(",")) <= set(GATES):
+        p.error(f"--sweep-gates: among {', '.join(GATES)}, got {args.sweep_gates}")
     if args.config == "flashkda":
         unfit = [flag for flag, bad in (("--no-gate-in-kernel", not args.gate_in_kernel),
                                         ("--no-safe-gate", not args.safe_gate),
