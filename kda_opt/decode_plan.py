@@ -108,28 +108,37 @@ def _decode_plan(sizes: Sizes, scale, l2norm, gate_in_kernel, lower_bound, beta_
                  sms, state_itemsize, **access) -> "DecodePlan":
     """A DecodePlan from checked options; `access`: what it reads and writes (DecodePlan's fields);
     state_itemsize: the bytes of one element of the states it reads and writes."""
-    block_v, num_warps = decode_launch(sizes.N * sizes.HV, sizes.V, v_first, sms)
+    # Measured for fp32 states only (16-bit ones not yet timed so).
+    blocks_first = v_first and state_itemsize == 4 and sizes.N <= GRID_AXIS_MAX
+    block_v, num_warps = decode_launch(sizes.N * sizes.HV, sizes.V, v_first, blocks_first, sms)
     return DecodePlan(
         **vars(sizes), scale=sizes.K ** -0.5 if scale is None else scale,
         gate=GateConfig(in_kernel=gate_in_kernel, lower_bound=lower_bound), l2norm=l2norm,
         beta_sigmoid=beta_scale(beta_sigmoid, neg_eigval), state_v_first=v_first, packed=packed,
-        block_v=block_v, num_warps=num_warps,
-        # Measured for fp32 states only (16-bit ones not yet timed so).
-        blocks_first=v_first and state_itemsize == 4 and sizes.N <= GRID_AXIS_MAX, **access)
+        block_v=block_v, num_warps=num_warps, blocks_first=blocks_first, **access)
 
 
-def decode_launch(heads: int, V: int, v_first: bool, sms: int) -> tuple[int, int]:
+def decode_launch(heads: int, V: int, v_first: bool, blocks_first: bool, sms: int) -> tuple[int, int]:
     """kda_decode's (V columns, warps) per program of (request, value head): a step is the state's
     bytes (kda_opt/recurrence), and what it leaves to hide is the reductions over K of each token. The
     fastest measured (docs/DESIGN.md, Decode), on `heads` (request, value head) pairs:
     - K-first states (a block's columns dense in memory): 64 columns by 2 warps wherever that gives
       every SM a program (16 columns are 64-byte pieces of 128 rows);
-    - otherwise, and for every V-first state, 16 columns by one warp (the reductions within the
-      warp, and more programs to spread a small step); V-first fp32 ones with a (request, head)'s V
-      blocks as neighbouring programs (DecodePlan.blocks_first)."""
+    - V-first states with a (request, head)'s V blocks as neighbouring programs (fp32,
+      DecodePlan.blocks_first) from EIGHT_COLUMNS_FROM pairs an SM: 8 columns by one warp (half the
+      registers of 16, so twice the programs an SM: more of the state's loads in flight);
+    - otherwise 16 columns by one warp (the reductions within the warp, and more programs to spread a
+      small step)."""
     if not v_first and heads * (V // 64) >= sms:
         return 64, 2
+    if blocks_first and heads >= EIGHT_COLUMNS_FROM * sms:
+        return 8, 1
     return 16, 1
+
+
+# decode_launch's 8 columns from this many (request, value head) pairs an SM: measured faster than 16
+# from 384 pairs on the H200, slower at 128 and 256 (docs/DESIGN.md, Decode).
+EIGHT_COLUMNS_FROM = 3
 
 
 # kda_decode's streamed kernel from this many (request, value head) programs an SM: each walks its

@@ -18,6 +18,7 @@ import torch
 
 from inputs import random_inputs
 from kda_opt import kda_decode, kda_forward
+from kda_opt.decode_plan import EIGHT_COLUMNS_FROM
 from kda_opt.forward import RUN_TENSORS, Prepared, run
 from kda_opt.plan import Tuning, takes_ahead
 from tests.stage_inputs import plan_of
@@ -31,6 +32,7 @@ ON_STAGE4 = Tuning(route_decodes=False)
 AHEAD = Tuning(ahead_from=65, ahead_segments=3)       # three segments, the last partial
 ORDERED = [1, 300, 5, 64, 65, 0, 130, 1, 200, 17] * 10   # 200 stage-4 programs at H = 2: longest first
 SMS = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
+EIGHT_COLUMNS = EIGHT_COLUMNS_FROM * SMS // H      # one-token requests whose decode takes 8 columns
 
 
 def pool_call(lens, slots, rows, v_first=False, dtype=torch.float32, has=None, **call):
@@ -140,12 +142,15 @@ CALLS = {
     "decode, dense states, final states": lambda: kda_decode(**{
         **decode_call([1, 3, 0, 2], None, 0), "initial_state": torch.randn(4, H, K, K, device="cuda"),
         "output_final_state": True}),
-    # kda_opt/plan's decode_launch: 64 columns by 2 warps, K-first once every SM has a block of 64;
-    # V-first fp32 states with a (request, head)'s V blocks first (DecodePlan.blocks_first).
+    # kda_opt/decode_plan's decode_launch: 64 columns by 2 warps, K-first once every SM has a block of
+    # 64; V-first fp32 states with a (request, head)'s V blocks first (DecodePlan.blocks_first), by 8
+    # columns from EIGHT_COLUMNS_FROM pairs an SM.
     "decode, 64 columns by 2 warps: K-first, a bf16 pool": lambda: kda_decode(**decode_call(
         [1] * SMS, torch.randperm(SMS + 8)[:SMS], SMS + 8, dtype=torch.bfloat16)),
     "decode, V blocks first: V-first, an fp32 pool, many requests": lambda: kda_decode(**decode_call(
-        [1] * 300, torch.randperm(308)[:300], 308, v_first=True)),
+        [1] * 100, torch.randperm(108)[:100], 108, v_first=True)),
+    "decode, V blocks first by 8 columns: V-first, an fp32 pool, more requests": lambda: kda_decode(**decode_call(
+        [1] * EIGHT_COLUMNS, torch.randperm(EIGHT_COLUMNS + 8)[:EIGHT_COLUMNS], EIGHT_COLUMNS + 8, v_first=True)),
     "decode, batched views of one fused projection (SGLang's packed decode)": lambda: fused_decode(40),
     "verify, [N, S] slots, accepted counts": lambda: kda_decode(**decode_call(
         [4, 2, 3], torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]), 12,

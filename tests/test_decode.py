@@ -9,7 +9,7 @@ import torch
 
 from kda_opt.arguments import DecodeArguments
 from kda_opt.decode import kda_decode, run
-from kda_opt.decode_plan import GRID_AXIS_MAX, STREAMED_FROM, DecodePlan, make_decode_plan
+from kda_opt.decode_plan import EIGHT_COLUMNS_FROM, GRID_AXIS_MAX, STREAMED_FROM, DecodePlan, make_decode_plan
 from kda_opt.reference import ERROR_FLOOR, reference_decode
 from tests.conftest import HAS_CUDA, ROOT, compile_env, gpu, kernel_device, rel_err
 from tests.stage_inputs import plan_of
@@ -294,9 +294,9 @@ def test_plan_reads_and_writes():
 
 
 def test_launch_follows_the_layout_and_the_batch():
-    """16 columns by one warp for a small step and for every V-first state, a V-first fp32 state's
-    blocks first (up to GRID_AXIS_MAX requests, the grid's third axis); 64 by two warps for K-first
-    states once every SM has a program."""
+    """16 columns by one warp for a small step and for V-first states, a V-first fp32 state's blocks
+    first (up to GRID_AXIS_MAX requests, the grid's third axis) and then 8 columns from
+    EIGHT_COLUMNS_FROM pairs an SM; 64 by two warps for K-first states once every SM has a program."""
     def launch(N, **changes):
         p = plan(N=N, indices=list(range(N)), slots=N, **changes)
         return p.block_v, p.num_warps, p.blocks_first
@@ -304,7 +304,9 @@ def test_launch_follows_the_layout_and_the_batch():
     assert launch(1) == (16, 1, False)
     assert launch(SMS // 2) == (64, 2, False) and launch(SMS // 2 - 1) == (16, 1, False)
     assert launch(SMS // 2, pool_dtype=torch.bfloat16) == (64, 2, False)
-    assert launch(1, v_first=True) == launch(16 * SMS, v_first=True) == (16, 1, True)
+    # H = 2: EIGHT_COLUMNS_FROM · SMS pairs from half as many requests.
+    assert launch(1, v_first=True) == launch(EIGHT_COLUMNS_FROM * SMS // 2 - 1, v_first=True) == (16, 1, True)
+    assert launch(EIGHT_COLUMNS_FROM * SMS // 2, v_first=True) == (8, 1, True)
     assert launch(16 * SMS, v_first=True, pool_dtype=torch.bfloat16) == (16, 1, False)
     many = plan(N=GRID_AXIS_MAX + 1, T=1, slots=None, indices=None, inplace=False, state=False, v_first=True)
     assert (many.block_v, many.blocks_first) == (16, False)
@@ -370,13 +372,17 @@ def test_bad_inputs_raise(case):
 
 
 @gpu
-def test_decode_on_the_gpu_as_fla():
-    """kda_decode against FLA's fused_recurrent_kda_fwd on the same pool call: o and the pool rows
-    within FLA's own error against the float64 recurrence (at most twice it, or the floor)."""
+@pytest.mark.parametrize("columns", [16, 8])
+def test_decode_on_the_gpu_as_fla(columns):
+    """kda_decode against FLA's fused_recurrent_kda_fwd on the same pool call, at both of a V-first fp32
+    pool's launches (decode_launch: 16 columns, and 8 from EIGHT_COLUMNS_FROM pairs an SM): o and the
+    pool rows within FLA's own error against the float64 recurrence (at most twice it, or the floor)."""
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
     from kda_opt.reference import error_bound
-    args = inputs(N=64, T=1, H=4, K=128, slots=160, indices=torch.randperm(160)[:64].tolist(), inplace=True,
+    N = 64 if columns == 16 else EIGHT_COLUMNS_FROM * torch.cuda.get_device_properties(0).multi_processor_count // 4
+    args = inputs(N=N, T=1, H=4, K=128, slots=2 * N + 32, indices=torch.randperm(2 * N + 32)[:N].tolist(), inplace=True,
                   l2norm=True, beta_logits=True, v_first=True)
+    assert make_decode_plan(DecodeArguments(**args)).block_v == columns
     ref_o, ref_pool = reference_decode(**{**args, "initial_state": args["initial_state"].clone()})
     fla_pool = args["initial_state"].clone()
     fla_o, _ = fused_recurrent_kda_fwd(**{n: args[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias",
@@ -399,7 +405,7 @@ KIMI_DECODE = dict(H=32, HV=32, K=128, V=128, BV=64, MODE=1, HAS_A=True, HAS_BIA
                    V_FIRST=True, PACKED=True, READ=2, WRITE=2, COLUMNS=1, ACCEPTED=False, PAD=True, HAS_MASK=False,
                    SINGLE=False, BLOCKS_FIRST=False, TREE=False)
 VARIANTS = [
-    dict(), dict(BV=16, num_warps=1), dict(BV=16, num_warps=1, BLOCKS_FIRST=True),
+    dict(), dict(BV=16, num_warps=1), dict(BV=16, num_warps=1, BLOCKS_FIRST=True), dict(BV=8, num_warps=1, BLOCKS_FIRST=True),
     dict(V_FIRST=False, WRITE=3, COLUMNS=4, ACCEPTED=True, num_warps=4),
     dict(BV=16, num_warps=1, WRITE=4, COLUMNS=4), dict(BV=16, num_warps=1, WRITE=4, COLUMNS=4, TREE=True),
     dict(WRITE=3, COLUMNS=2, PACKED=False), dict(SINGLE=True, HAS_MASK=True, PAD=False),
