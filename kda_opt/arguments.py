@@ -1,10 +1,11 @@
-"""The arguments of kda_forward and kda_decode, each call's as one frozen record (a NamedTuple whose
+"""The arguments of kda_forward, kda_decode and kda_conv_decode, each call's as one frozen record (a NamedTuple whose
 fields are the function's parameters, in its signature's order and with its defaults: a test holds
 the two lists equal). The record is what the plan is made from and keyed by, and the replay's inputs
 are picked from it by name.
 
     ForwardArguments(q, k, v, g, beta, ...)   kda_forward's arguments (kda_opt/plan.make_plan)
     DecodeArguments(q, k, v, g, beta, ...)    kda_decode's (kda_opt/decode_plan.make_decode_plan)
+    ConvDecodeArguments(mixed_qkv, ...)       kda_conv_decode's (kda_opt/conv_decode)
     @traced_as(op_call, Record)               while torch.compile traces the function, its call is
                                               op_call(Record(*args, **kwargs)): one custom op
                                               (kda_opt/op); other calls run the function itself
@@ -100,6 +101,24 @@ class DecodeArguments(NamedTuple):
         return (self.q, self.k, self.v, self.g, self.beta, self.A_log, self.dt_bias, self.initial_state,
                 self.cu_seqlens, self.ssm_state_indices, self.num_accepted_tokens, self.out,
                 self.intermediate_states_buffer, self.intermediate_state_indices, self.retrieve_parent_token)
+
+
+class ConvDecodeArguments(NamedTuple):
+    """kda_conv_decode's arguments (its docstring says what each means)."""
+    mixed_qkv: Tensor
+    g: Tensor
+    beta: Tensor
+    conv_state: Tensor
+    conv_weight: Tensor
+    ssm_state: Tensor
+    state_indices: Tensor
+    A_log: Tensor
+    conv_bias: Tensor | None = None
+    dt_bias: Tensor | None = None
+    lower_bound: float | None = None
+    scale: float | None = None
+    pad_slot: int | None = None
+    out: Tensor | None = None
 
 
 def traced_as(op_call, record):

@@ -295,3 +295,33 @@ def reference_decode(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, ini
     if output_final_state:
         return o, layout(torch.stack(finals))
     return o, written if buffer is None else buffer
+
+
+def reference_conv_decode(mixed_qkv, g, beta, *, conv_state, conv_weight, ssm_state, state_indices, A_log,
+                          conv_bias=None, dt_bias=None, lower_bound=None, scale=None, pad_slot=None):
+    """kda_conv_decode's arguments → float64 (o [N, H, V], the pool, the window), the caches as copies
+    with the rows the call writes replaced: each request's channels convolved with its window (zeros
+    where its slot is not read) and SiLU-activated, the window shifted by its input, then kda_decode's
+    step on q, k, v of the result."""
+    N, channels = mixed_qkv.shape
+    slots, H, V, K = ssm_state.shape
+    rows = [int(i) for i in state_indices]
+    live = [0 <= i < slots and i != pad_slot for i in rows]
+    x = mixed_qkv.double()
+    window = conv_state.double().clone()
+    taps = torch.stack([window[i] if ok else window.new_zeros(window.shape[1:]) for i, ok in zip(rows, live)])
+    taps = torch.cat([taps, x[:, None]], 1)                               # [N, 4, channels], oldest first
+    y = (taps * conv_weight.double().t()[None]).sum(1)
+    if conv_bias is not None:
+        y = y + conv_bias.double()
+    y = torch.nn.functional.silu(y)
+    for n, (i, ok) in enumerate(zip(rows, live)):
+        if ok:
+            window[i] = taps[n, 1:]
+    q, k, v = (t.unflatten(-1, (H, -1))[None] for t in y.split([H * K, H * K, H * V], dim=-1))
+    o, pool = reference_decode(q, k, v, g.reshape(1, N, H, K), beta.reshape(1, N, H), A_log=A_log.reshape(-1),
+                               dt_bias=dt_bias, scale=scale, initial_state=ssm_state, use_qk_l2norm_in_kernel=True,
+                               use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound,
+                               state_v_first=True, cu_seqlens=torch.arange(N + 1), inplace_final_state=True,
+                               ssm_state_indices=torch.tensor(rows), pad_slot=pad_slot)
+    return o[0], pool, window

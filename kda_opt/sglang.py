@@ -3,8 +3,10 @@
 replaces SGLang's `TritonKDAKernel` (its default KDA kernel on Hopper): wherever SGLang would run its
 Triton kernel, KdaOptKDAKernel runs kda_forward (extend), kda_decode (decode, chain verify) on the
 calls kda_opt computes and SGLang's own Triton code (the class it replaces) on the others
-(docs/USAGE.md, "SGLang"). Without the variable, or without SGLang, nothing is registered and SGLang
-keeps its kernels.
+(docs/USAGE.md, "SGLang"), and wraps SGLang's `KDAAttnBackend.forward_decode` (an AROUND hook,
+`forward_decode`) so that the decode step it would run as the short convolution's update and then that
+kernel runs as one kda_conv_decode call where that measured faster. Without the variable, or without
+SGLang, nothing is registered and SGLang keeps its kernels.
 
 How SGLang's calls map onto kda_opt's (SGLang's KDA backend, `kda_backend.py`):
 - extend: packed `[1, T, H, K]` requests (`query_start_loc`), raw gate with A_log `[1, 1, HV, 1]` and
@@ -26,23 +28,66 @@ import os
 import torch
 
 from . import engines, plan
+from .checks import SUPPORTED_DTYPES
+from .conv_decode import WIDTH, kda_conv_decode
 from .decode import kda_decode
 from .forward import kda_forward
 from .options import CHUNK
 
 SWITCH = "SGLANG_KDA_OPT"          # 1: SGLang's Triton KDA kernel is replaced by kda_opt's
 TARGET = "sglang.srt.layers.attention.linear.kernels.kda_triton.TritonKDAKernel"
+DECODE_STEP = "sglang.srt.layers.attention.linear.kda_backend.KDAAttnBackend.forward_decode"
 
 
 def register() -> None:
     """The `sglang.srt.plugins` entry point, run by SGLang's `load_plugins` in each of its processes:
     where SGLANG_KDA_OPT=1, SGLang's TritonKDAKernel is replaced by kernel_class() (a class REPLACE
-    hook, applied by SGLang's HookRegistry with its other hooks)."""
+    hook, applied by SGLang's HookRegistry with its other hooks), and its backend's decode step is
+    wrapped by forward_decode (an AROUND hook)."""
     if os.environ.get(SWITCH, "0") != "1":
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(TARGET, kernel_class(), HookType.REPLACE)
+    HookRegistry.register(DECODE_STEP, forward_decode, HookType.AROUND)
+
+
+def forward_decode(original, backend, layer, forward_batch, mixed_qkv, a, b, **kwargs):
+    """SGLang's `KDAAttnBackend.forward_decode` (`original`, called as it is) where `fuses` says no; else
+    its step (the short convolution's update of mixed_qkv and the conv window, then the KDA step on
+    the pool) as one kda_conv_decode call, then SGLang's own tracking of the states for its prefix
+    cache, as the original does after its chain: o [1, N, HV, V]."""
+    cache = backend.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
+    indices = backend.forward_metadata.mamba_cache_indices
+    if not fuses(backend, layer, cache, indices, mixed_qkv):
+        return original(backend, layer, forward_batch, mixed_qkv, a, b, **kwargs)
+    conv_states, ssm_states = cache.conv[0], cache.temporal
+    o = kda_conv_decode(mixed_qkv, a, b, conv_state=conv_states, conv_weight=layer.conv_weights,
+                        ssm_state=ssm_states, state_indices=indices, A_log=layer.A_log.reshape(-1),
+                        conv_bias=layer.bias, dt_bias=layer.dt_bias, lower_bound=layer.lower_bound,
+                        scale=layer.head_k_dim ** -0.5)
+    backend._track_mamba_state_decode(forward_batch, conv_states, ssm_states, indices, layer.layer_id)
+    return o.unsqueeze(0)
+
+
+def fuses(backend, layer, cache, indices, mixed_qkv) -> bool:
+    """Whether forward_decode runs SGLang's decode step as kda_conv_decode: where SGLang would run the
+    short convolution's update (width WIDTH) and then kda_opt's kernel on one token a request of at
+    most CONV_DECODE_REQUESTS requests, an fp32 pool and query heads as many as value heads; not
+    SGLang's own fused K3 step (the model's stash of its output gate), its ReplaySSM ring, nor a
+    deferred gate projection."""
+    conv = cache.conv[0]
+    return (isinstance(backend.kernel_dispatcher.decode_kernel, kernel_class())
+            and getattr(cache, "replayssm_d", None) is None and not getattr(layer, "_k3_deferred_f_b", False)
+            and (getattr(layer, "_k3_fused_decode_args", None) is None or getattr(layer, "_k3_onorm_gate", None) is None)
+            and isinstance(mixed_qkv, torch.Tensor) and mixed_qkv.dim() == 2
+            and mixed_qkv.shape[0] == indices.shape[0] <= CONV_DECODE_REQUESTS
+            and layer.num_q_heads == layer.num_k_heads == layer.num_v_heads
+            and isinstance(layer.conv_weights, torch.Tensor) and layer.conv_weights.shape[-1] == WIDTH
+            and (layer.bias is None or isinstance(layer.bias, torch.Tensor))
+            and conv.dim() == 3 and conv.shape[1] == WIDTH - 1 and conv.dtype in SUPPORTED_DTYPES
+            and cache.temporal.dtype == torch.float32
+            and engines.computes(mixed_qkv, cache.temporal, layer.head_k_dim, layer.head_v_dim))
 
 
 @functools.cache
@@ -127,6 +172,12 @@ def kernel_class():
 # rows up to which kda_decode measured at least SGLang's decode kernel, as CUDA graph replays
 # (docs/BENCHMARKING.md, "SGLang").
 DECODE_REQUESTS = 512
+
+
+# The largest decode step (requests) forward_decode runs as kda_conv_decode: up to which the fused step
+# measured faster than SGLang's convolution and kda_opt's kernel, as CUDA graph replays
+# (docs/BENCHMARKING.md, "SGLang").
+CONV_DECODE_REQUESTS = 512
 
 
 # SGLang's packed-decode keywords of its ReplaySSM ring, whose calls stay SGLang's.

@@ -17,11 +17,12 @@ import sys
 import torch
 
 from inputs import random_inputs
-from kda_opt import kda_decode, kda_forward
+from kda_opt import kda_conv_decode, kda_decode, kda_forward
 from kda_opt.decode_plan import EIGHT_COLUMNS_FROM
 from kda_opt.forward import RUN_TENSORS, Prepared, run
 from kda_opt.plan import Tuning, takes_ahead
 from tests.stage_inputs import plan_of
+from tests.test_conv_decode import step as conv_step
 from tests.test_forward import run_tuned
 
 H, K = 2, 128
@@ -32,7 +33,7 @@ ON_STAGE4 = Tuning(route_decodes=False)
 AHEAD = Tuning(ahead_from=65, ahead_segments=3)       # three segments, the last partial
 ORDERED = [1, 300, 5, 64, 65, 0, 130, 1, 200, 17] * 10   # 200 stage-4 programs at H = 2: longest first
 SMS = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
-EIGHT_COLUMNS = EIGHT_COLUMNS_FROM * SMS // H      # one-token requests whose decode takes 8 columns
+EIGHT_COLUMNS = -(-EIGHT_COLUMNS_FROM * SMS // H)   # one-token requests whose decode takes 8 columns
 
 
 def pool_call(lens, slots, rows, v_first=False, dtype=torch.float32, has=None, **call):
@@ -167,6 +168,8 @@ CALLS = {
         [4, 2, 5], torch.tensor([3, -1, 0]), 6, v_first=True, inplace_final_state=False,
         intermediate_states_buffer=torch.randn(4, 5, H, K, K, device="cuda")[:, :4],
         intermediate_state_indices=torch.tensor([2, 0, -1], device="cuda"))),
+    "the convolution and decode step, −1, past-the-pool and pad slots": lambda: kda_conv_decode(**conv_step(
+        6, H, K, slots=6, indices=[3, -1, 0, 6, 1, 5], pad_slot=1)),
     "tree verify into a buffer (SGLang's), parents read back": lambda: kda_decode(**decode_call(
         [4, 2, 5], torch.tensor([3, -1, 0]), 6, v_first=True, inplace_final_state=False,
         intermediate_states_buffer=torch.randn(4, 5, H, K, K, device="cuda")[:, :4],

@@ -247,13 +247,13 @@ def test_sglang_calls_run_in_parts(tmp_path):
     assert e.value.code == 2
     row = lambda r, ms: dict(zip(("call", "H", "requests", "tokens", "gate"), r), sglang_ms=ms, taken=True)
     first, last = sglang.ROWS[0], sglang.ROWS[-1]
-    assert first[0] == "extend" and last[0] == "tree_verify"
+    assert first[0] == "extend" and last[0] == "decode_step"
     path = tmp_path / "sglang.csv"
     common.write_table([row(first, 1.5), row(last, 0.25)], path, ["call", "H", "requests", "tokens", "gate",
                                                                   "sglang_ms", "taken"])
-    kept = sglang.earlier_rows(path, ("tree_verify",))
+    kept = sglang.earlier_rows(path, ("decode_step",))
     assert [r["sglang_ms"] for r in kept] == [1.5]
-    assert [r["call"] for r in sglang.in_rows_order([row(last, 0.2), *kept])] == ["extend", "tree_verify"]
+    assert [r["call"] for r in sglang.in_rows_order([row(last, 0.2), *kept])] == ["extend", "decode_step"]
     assert sglang.earlier_rows(tmp_path / "absent.csv", ("extend",)) == []
 
 

@@ -379,7 +379,7 @@ def test_decode_on_the_gpu_as_fla(columns):
     pool rows within FLA's own error against the float64 recurrence (at most twice it, or the floor)."""
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
     from kda_opt.reference import error_bound
-    N = 64 if columns == 16 else EIGHT_COLUMNS_FROM * torch.cuda.get_device_properties(0).multi_processor_count // 4
+    N = 64 if columns == 16 else -(-EIGHT_COLUMNS_FROM * torch.cuda.get_device_properties(0).multi_processor_count // 4)
     args = inputs(N=N, T=1, H=4, K=128, slots=2 * N + 32, indices=torch.randperm(2 * N + 32)[:N].tolist(), inplace=True,
                   l2norm=True, beta_logits=True, v_first=True)
     assert make_decode_plan(DecodeArguments(**args)).block_v == columns

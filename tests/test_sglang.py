@@ -14,7 +14,7 @@ import torch
 
 from kda_opt import engines
 from kda_opt import sglang as plugin
-from kda_opt.reference import ERROR_FLOOR, error_bound, reference_decode, reference_forward
+from kda_opt.reference import ERROR_FLOOR, error_bound, reference_conv_decode, reference_decode, reference_forward
 from tests.conftest import gpu, rel_err
 
 pytest.importorskip("sglang")
@@ -27,12 +27,18 @@ from kda_bench import sglang as calls  # noqa: E402
 
 @pytest.fixture
 def registry():
-    """SGLang's HookRegistry, emptied before and after (and TritonKDAKernel restored)."""
+    """SGLang's HookRegistry, emptied before and after (and TritonKDAKernel restored; the backend's
+    forward_decode too where its module imports here: it imports SGLang's whole model runner)."""
     original = kda_triton.TritonKDAKernel
+    backend = sys.modules.get("sglang.srt.layers.attention.linear.kda_backend")
+    step = None if backend is None else backend.KDAAttnBackend.__dict__["forward_decode"]
     HookRegistry.reset()
     yield HookRegistry
     HookRegistry.reset()
     kda_triton.TritonKDAKernel = original
+    backend = sys.modules.get("sglang.srt.layers.attention.linear.kda_backend")
+    if backend is not None:
+        backend.KDAAttnBackend.forward_decode = step or inspect.unwrap(backend.KDAAttnBackend.forward_decode)
 
 
 # ---- the plugin ----
@@ -51,6 +57,45 @@ def test_register_replaces_the_triton_kernel(registry, monkeypatch):
     registry.apply_hooks()
     assert kda_triton.TritonKDAKernel is plugin.kernel_class()
     assert plugin.kernel_class().__mro__[1].__name__ == "TritonKDAKernel"
+    (kind, hook, _), = registry._hooks[plugin.DECODE_STEP]
+    assert kind.name == "AROUND" and hook is plugin.forward_decode
+
+
+def test_decode_step_hook_runs_the_fused_step_or_sglangs(monkeypatch):
+    """forward_decode runs SGLang's step as one kda_conv_decode call (its arguments SGLang's layer's),
+    and hands SGLang's own function every step it does not fuse: SGLang's kernel as the decode kernel,
+    a K3 output-gate stash, the ReplaySSM ring, a 16-bit pool, more requests than
+    CONV_DECODE_REQUESTS."""
+    monkeypatch.setattr(engines, "on_hopper", lambda device: True)
+    seen = []
+    monkeypatch.setattr(plugin, "kda_conv_decode", lambda *a, **kw: seen.append((a, kw)) or torch.zeros(3, 2, calls.K))
+    original = lambda *a, **kw: "sglang"
+    ours, triton = calls.kernels()
+    call = calls.arguments(calls.step("decode_step", 2, [1] * 3, "safe", device="cpu"))
+
+    def step(kernel=ours, **changes):
+        backend, layer, batch = calls.step_backend(kernel, {**call, **changes})
+        for name, x in changes.items():
+            setattr(layer, name, x)
+        if "replayssm_d" in changes:
+            backend.req_to_token_pool.mamba2_layer_cache(0).replayssm_d = changes["replayssm_d"]
+        return plugin.forward_decode(original, backend, layer, batch, call["mixed_qkv"], call["a"], call["b"])
+
+    assert calls.sglang_backend_classes()[0].forward_decode.__code__.co_filename.endswith("kda_backend.py")
+    o = step()
+    assert o.shape == (1, 3, 2, calls.K)
+    (args, kw), = seen
+    assert args == (call["mixed_qkv"], call["a"], call["b"])
+    assert kw["conv_state"] is call["conv_states"] and kw["conv_weight"] is call["conv_weights"]
+    assert kw["ssm_state"] is call["ssm_states"] and kw["state_indices"] is call["cache_indices"]
+    assert kw["lower_bound"] == -5.0 and kw["scale"] == calls.K ** -0.5 and kw["A_log"].shape == (2,)
+    assert step(triton) == "sglang"
+    assert step(_k3_fused_decode_args=(), _k3_onorm_gate=torch.zeros(1)) == "sglang"
+    assert step(replayssm_d=torch.zeros(1)) == "sglang"
+    assert step(ssm_states=call["ssm_states"].bfloat16()) == "sglang"
+    monkeypatch.setattr(plugin, "CONV_DECODE_REQUESTS", 2)
+    assert step() == "sglang"
+    assert len(seen) == 1
 
 
 def test_sglang_loads_the_plugin_from_its_entry_point():
@@ -413,6 +458,36 @@ def test_packed_decode_matches_the_recurrence_and_sglangs(N, H, kernel, gate):
     untouched = torch.ones(pool.shape[0], dtype=torch.bool, device=pool.device)
     untouched[idx[live]] = False
     assert torch.equal(pool[untouched], packed["ssm_states"][untouched])
+
+
+@gpu
+@pytest.mark.parametrize("gate,H", [("softplus", 32), ("safe", 24), ("safe", 12)])
+@pytest.mark.parametrize("N", [1, 8, 48])
+def test_decode_step_matches_the_recurrence_and_sglangs(N, H, gate):
+    """SGLang's whole decode step, its own forward_decode (the convolution's update, then its kernel's
+    packed decode: Triton below 8 requests, CUDA from 8), against the plugin's hook around it (one
+    kda_conv_decode call): o and the named pool rows within FLA's bound of the float64 reference where
+    SGLang's error sets it, the conv windows bit for bit SGLang's and the reference's, every other
+    pool row untouched."""
+    ours, triton = calls.kernels()
+    call = calls.step("decode_step", H, [1] * N, gate)
+    (o, pool, window), fused = calls.calls_to(plugin, "kda_conv_decode", lambda: calls.run(ours, call))
+    assert fused
+    o_t, pool_t, window_t = calls.run(triton, call)
+    a = calls.arguments(call)
+    o_ref, pool_ref, window_ref = reference_conv_decode(
+        a["mixed_qkv"], a["a"], a["b"], conv_state=a["conv_states"], conv_weight=a["conv_weights"],
+        ssm_state=a["ssm_states"], state_indices=a["cache_indices"], A_log=a["A_log"], dt_bias=a["dt_bias"],
+        lower_bound=a["lower_bound"])
+    idx = call["cache_indices"].long()
+    live = idx >= 0
+    assert rel_err(o[0, live], o_ref[live]) <= error_bound(min(rel_err(o_t[0, live], o_ref[live]), ERROR_FLOOR))
+    s_err, s_err_t = rel_err(pool[idx[live]], pool_ref[idx[live]]), rel_err(pool_t[idx[live]], pool_ref[idx[live]])
+    assert s_err <= error_bound(min(s_err_t, ERROR_FLOOR))
+    assert torch.equal(window, window_t) and torch.equal(window.double(), window_ref)
+    untouched = torch.ones(pool.shape[0], dtype=torch.bool, device=pool.device)
+    untouched[idx[live]] = False
+    assert torch.equal(pool[untouched], call["ssm_states"][untouched])
 
 
 @gpu

@@ -16,9 +16,10 @@ Entry point: `python scripts/test.py ...`.
                       with kda_opt registered (kda_bench/model) → <out-dir>/model_<gpu>.csv/.png
     --test cp         long sequences with few heads: kda_forward, its sequential path, FLA and FlashKDA; under
                       torchrun, one sequence split over the GPUs (kda_bench/cp) → <out-dir>/cp_<gpu>.csv
-    --test sglang     SGLang's KDA calls (extend, decode, packed decode, chain and tree verify; --sglang-calls
-                      picks some) through kda_opt's SGLang kernel and SGLang's own Triton, FlashKDA and Helion
-                      kernels (kda_bench/sglang) → <out-dir>/sglang_<gpu>.csv
+    --test sglang     SGLang's KDA calls (extend, decode, packed decode, chain and tree verify, the whole decode
+                      step with its convolution; --sglang-calls picks some) through kda_opt's SGLang kernel
+                      and hook and SGLang's own Triton, FlashKDA and Helion kernels (kda_bench/sglang)
+                      → <out-dir>/sglang_<gpu>.csv
     --test vllm       vLLM's KDA calls (prefill, packed decode, speculative decode) through kda_opt's vLLM
                       functions, vLLM's own and FlashKDA (kda_bench/vllm) → <out-dir>/vllm_<gpu>.csv
 What the modes share (the case, the timings, the rows printed and written): kda_bench/common. --sweep and

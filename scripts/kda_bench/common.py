@@ -197,11 +197,12 @@ def _tqdm():
     return tqdm
 
 
-def write_rows(rows, out_dir, name, fields):
-    """rows as <out_dir>/<name>_<gpu>.csv (write_table); returns the path."""
+def write_rows(rows, out_dir, name, fields, defaults=None):
+    """rows as <out_dir>/<name>_<gpu>.csv (write_table, a row's missing cells from `defaults`); returns
+    the path."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"{name}_{gpu_tag()}.csv")
-    write_table(rows, path, fields)
+    write_table(rows, path, fields, defaults)
     echo(f"wrote {path}")
     return path
 
