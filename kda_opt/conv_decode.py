@@ -22,14 +22,13 @@ import triton.language as tl
 
 from .arguments import ConvDecodeArguments
 from .checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_pad_slot, checked_scale, validate_devices
-from .gate import gate_mode, log_decay
 from .decode_plan import GRID_AXIS_MAX, decode_launch
+from .gate import gate_mode, log_decay
 from .launch import Kernels, triton_launch
-from .options import L2NORM_EPS, GateConfig
+from .options import GateConfig
 from .plan_cache import Entry, cached, signature
-from .recurrence import _slot
+from .recurrence import _slot, l2normalised, step
 
-L2_EPS = tl.constexpr(L2NORM_EPS)
 # The convolution's width: the window holds its last WIDTH − 1 inputs (Kimi's short convolution).
 WIDTH = 4
 
@@ -62,15 +61,12 @@ def conv_decode_kernel(
     b_q, q1, q2, q3 = _convolved(row, win, weight, bias, c_q, slot, S_ROW, S_WC, S_WJ, HAS_CONV_BIAS)
     b_k, k1, k2, k3 = _convolved(row, win, weight, bias, c_k, slot, S_ROW, S_WC, S_WJ, HAS_CONV_BIAS)
     b_v, v1, v2, v3 = _convolved(row, win, weight, bias, c_v, slot, S_ROW, S_WC, S_WJ, HAS_CONV_BIAS)
-    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + L2_EPS) * scale
-    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + L2_EPS)
+    b_q, b_k = l2normalised(b_q) * scale, l2normalised(b_k)
     b_d = tl.exp(log_decay(tl.load(g + i_n * S_G + i_h * S_GH + o_k).to(tl.float32), A_log, dt_bias, i_h, o_k,
                            lower_bound, K, MODE, True, HAS_BIAS))
     b_beta = tl.sigmoid(tl.load(beta + i_n * S_B + i_h).to(tl.float32))
-    b_s *= b_d[:, None]
-    b_u = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
-    b_s += b_k[:, None] * b_u[None, :]
-    tl.store(o + i_n * S_O + i_h * V + o_v, tl.sum(b_s * b_q[:, None], 0).to(o.dtype.element_ty))
+    b_s, b_o = step(b_s, b_q, b_k, b_v, b_d, b_beta)
+    tl.store(o + i_n * S_O + i_h * V + o_v, b_o.to(o.dtype.element_ty))
     if slot >= 0:
         tl.store(pool + slot * S_POOL + o_s, b_s.to(pool.dtype.element_ty))
         # Every thread's window loads are used above. The block's v channels are its own: shifted now.

@@ -112,10 +112,7 @@ def decode_kernel(
             if reload:
                 tl.debug_barrier()      # the parent's state, stored by this program, read back by any thread
                 b_s = tl.load(s_out + buffer_row * S_OUT + parent * (HV * K * V) + o_s).to(tl.float32)
-        b_s *= b_d[:, None]
-        b_u = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
-        b_s += b_k[:, None] * b_u[None, :]
-        b_o = tl.sum(b_s * b_q[:, None], 0)
+        b_s, b_o = step(b_s, b_q, b_k, b_v, b_d, b_beta)
         tl.store(o + r * SOT + i_hv * SOH + o_v, b_o.to(o.dtype.element_ty))
         if WRITE == WRITE_EACH_TOKEN:
             row = _rows(_slot(indices, i_n, t, live & (t < COLUMNS), slots, pad_slot, S_IDX, PAD), K, BV)
@@ -221,14 +218,28 @@ def _token(q, k, g, beta, A_log, dt_bias, r, i_h, i_hv, scale, lower_bound,
     b_q = tl.load(q + r * SQT + i_h * SQH + o_k).to(tl.float32)
     b_k = tl.load(k + r * SKT + i_h * SKH + o_k).to(tl.float32)
     if L2NORM:
-        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + L2_EPS)
-        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + L2_EPS)
+        b_q, b_k = l2normalised(b_q), l2normalised(b_k)
     b_a = log_decay(tl.load(g + r * SGT + i_hv * SGH + o_k).to(tl.float32), A_log, dt_bias, i_hv, o_k, lower_bound,
                     K, MODE, HAS_A, HAS_BIAS)
     b_beta = tl.load(beta + r * SBT + i_hv * SBH).to(tl.float32)
     if BETA_SIGMOID > 0:
         b_beta = BETA_SIGMOID * tl.sigmoid(b_beta)
     return b_q * scale, b_k, tl.exp(b_a), b_beta
+
+
+@triton.jit
+def step(b_s, b_q, b_k, b_v, b_d, b_beta):
+    """One token's step on a state block b_s [K, BV] (fp32): (the new block, o [BV])."""
+    b_s *= b_d[:, None]
+    b_u = (b_v - tl.sum(b_s * b_k[:, None], 0)) * b_beta
+    b_s += b_k[:, None] * b_u[None, :]
+    return b_s, tl.sum(b_s * b_q[:, None], 0)
+
+
+@triton.jit
+def l2normalised(b_x):
+    """b_x / sqrt(Σ b_x² + L2NORM_EPS), FLA's l2norm of one head's vector."""
+    return b_x / tl.sqrt(tl.sum(b_x * b_x) + L2_EPS)
 
 
 @triton.jit
