@@ -11,6 +11,7 @@ its head's q and k channels and its block's v channels. Query and value heads ar
 each channel of the window is read by its head's programs alone: a block shifts its own v channels
 once it has read them, and the last of the head's programs to have read its q and k channels (a count
 per (request, head), atomic, set back to 0 by that program) shifts those.
+The count is released before the program stores anything, so its fence waits on no store.
 A slot that is negative, past the pool or the pad slot reads a zero window and a zero state and
 writes neither (its o is the zero state's).
 """
@@ -66,17 +67,19 @@ def conv_decode_kernel(
                            lower_bound, K, MODE, True, HAS_BIAS))
     b_beta = tl.sigmoid(tl.load(beta + i_n * S_B + i_h).to(tl.float32))
     b_s, b_o = step(b_s, b_q, b_k, b_v, b_d, b_beta)
+    # The head's q and k channels are read by each of its V blocks: a block counts itself a reader
+    # once their values are used and before it stores anything (a release that waits on no store);
+    # the last reader takes the count back to 0 (an acquire) and shifts them.
+    read = tl.atomic_add(readers + i_n * H + i_h, 1, sem="release")
     tl.store(o + i_n * S_O + i_h * V + o_v, b_o.to(o.dtype.element_ty))
     if slot >= 0:
         tl.store(pool + slot * S_POOL + o_s, b_s.to(pool.dtype.element_ty))
-        # Every thread's window loads are used above. The block's v channels are its own: shifted now.
-        # The head's q and k channels are read by each of its V blocks: the last to have read them
-        # (the count of readers, released after the reads) shifts them and sets the count back to 0.
+        # The block's v channels are its own: shifted once every thread's loads of them are used.
         tl.debug_barrier()
         _shifted(win, c_v, v1, v2, v3, S_ROW)
-        read = tl.atomic_add(readers + i_n * H + i_h, 1, sem="acq_rel")
-        if read == V // BV - 1:
-            tl.store(readers + i_n * H + i_h, 0)
+    if read == V // BV - 1:
+        tl.atomic_xchg(readers + i_n * H + i_h, 0, sem="acquire")
+        if slot >= 0:
             _shifted(win, c_q, q1, q2, q3, S_ROW)
             _shifted(win, c_k, k1, k2, k3, S_ROW)
 

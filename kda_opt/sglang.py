@@ -73,7 +73,7 @@ def forward_decode(original, backend, layer, forward_batch, mixed_qkv, a, b, **k
 def fuses(backend, layer, cache, indices, mixed_qkv) -> bool:
     """Whether forward_decode runs SGLang's decode step as kda_conv_decode: where SGLang would run the
     short convolution's update (width WIDTH) and then kda_opt's kernel on one token a request of at
-    most CONV_DECODE_REQUESTS requests, an fp32 pool and query heads as many as value heads; not
+    most CONV_DECODE_PAIRS (request, head) pairs, an fp32 pool and query heads as many as value heads; not
     SGLang's own fused K3 step (the model's stash of its output gate), its ReplaySSM ring, nor a
     deferred gate projection."""
     conv = cache.conv[0]
@@ -81,7 +81,8 @@ def fuses(backend, layer, cache, indices, mixed_qkv) -> bool:
             and getattr(cache, "replayssm_d", None) is None and not getattr(layer, "_k3_deferred_f_b", False)
             and (getattr(layer, "_k3_fused_decode_args", None) is None or getattr(layer, "_k3_onorm_gate", None) is None)
             and isinstance(mixed_qkv, torch.Tensor) and mixed_qkv.dim() == 2
-            and mixed_qkv.shape[0] == indices.shape[0] <= CONV_DECODE_REQUESTS
+            and mixed_qkv.shape[0] == indices.shape[0]
+            and indices.shape[0] * layer.num_v_heads <= CONV_DECODE_PAIRS
             and layer.num_q_heads == layer.num_k_heads == layer.num_v_heads
             and isinstance(layer.conv_weights, torch.Tensor) and layer.conv_weights.shape[-1] == WIDTH
             and (layer.bias is None or isinstance(layer.bias, torch.Tensor))
@@ -174,10 +175,11 @@ def kernel_class():
 DECODE_REQUESTS = 512
 
 
-# The largest decode step (requests) forward_decode runs as kda_conv_decode: up to which the fused step
-# measured faster than SGLang's convolution and kda_opt's kernel, as CUDA graph replays
-# (docs/BENCHMARKING.md, "SGLang").
-CONV_DECODE_REQUESTS = 512
+# The largest decode step, in (request, head) pairs, that forward_decode runs as kda_conv_decode: up to
+# which the fused step measured faster than SGLang's convolution and then kda_opt's kernel, as CUDA
+# graph replays; beyond it each of the fused kernel's programs, which convolves its head's q and k
+# itself, holds more registers and longer than kda_decode's (docs/BENCHMARKING.md, "SGLang").
+CONV_DECODE_PAIRS = 128
 
 
 # SGLang's packed-decode keywords of its ReplaySSM ring, whose calls stay SGLang's.

@@ -64,8 +64,8 @@ def test_register_replaces_the_triton_kernel(registry, monkeypatch):
 def test_decode_step_hook_runs_the_fused_step_or_sglangs(monkeypatch):
     """forward_decode runs SGLang's step as one kda_conv_decode call (its arguments SGLang's layer's),
     and hands SGLang's own function every step it does not fuse: SGLang's kernel as the decode kernel,
-    a K3 output-gate stash, the ReplaySSM ring, a 16-bit pool, more requests than
-    CONV_DECODE_REQUESTS."""
+    a K3 output-gate stash, the ReplaySSM ring, a 16-bit pool, more (request, head)
+    pairs than CONV_DECODE_PAIRS."""
     monkeypatch.setattr(engines, "on_hopper", lambda device: True)
     seen = []
     monkeypatch.setattr(plugin, "kda_conv_decode", lambda *a, **kw: seen.append((a, kw)) or torch.zeros(3, 2, calls.K))
@@ -93,7 +93,7 @@ def test_decode_step_hook_runs_the_fused_step_or_sglangs(monkeypatch):
     assert step(_k3_fused_decode_args=(), _k3_onorm_gate=torch.zeros(1)) == "sglang"
     assert step(replayssm_d=torch.zeros(1)) == "sglang"
     assert step(ssm_states=call["ssm_states"].bfloat16()) == "sglang"
-    monkeypatch.setattr(plugin, "CONV_DECODE_REQUESTS", 2)
+    monkeypatch.setattr(plugin, "CONV_DECODE_PAIRS", 5)
     assert step() == "sglang"
     assert len(seen) == 1
 
@@ -463,12 +463,13 @@ def test_packed_decode_matches_the_recurrence_and_sglangs(N, H, kernel, gate):
 @gpu
 @pytest.mark.parametrize("gate,H", [("softplus", 32), ("safe", 24), ("safe", 12)])
 @pytest.mark.parametrize("N", [1, 8, 48])
-def test_decode_step_matches_the_recurrence_and_sglangs(N, H, gate):
+def test_decode_step_matches_the_recurrence_and_sglangs(N, H, gate, monkeypatch):
     """SGLang's whole decode step, its own forward_decode (the convolution's update, then its kernel's
     packed decode: Triton below 8 requests, CUDA from 8), against the plugin's hook around it (one
-    kda_conv_decode call): o and the named pool rows within FLA's bound of the float64 reference where
+    kda_conv_decode call, at every step's size here, CONV_DECODE_PAIRS raised to it): o and the named pool rows within FLA's bound of the float64 reference where
     SGLang's error sets it, the conv windows bit for bit SGLang's and the reference's, every other
     pool row untouched."""
+    monkeypatch.setattr(plugin, "CONV_DECODE_PAIRS", N * H)
     ours, triton = calls.kernels()
     call = calls.step("decode_step", H, [1] * N, gate)
     (o, pool, window), fused = calls.calls_to(plugin, "kda_conv_decode", lambda: calls.run(ours, call))
