@@ -115,11 +115,7 @@ def validate(q, k, v, g, beta, initial_state, *, use_gate_in_kernel, A_log, dt_b
         if A_log is None and lower_bound is None:
             raise ValueError("use_gate_in_kernel=True needs A_log (softplus gate) or lower_bound "
                              "(sigmoid gate); got neither")
-        if A_log is not None and A_log.numel() != HV:
-            raise ValueError(f"A_log must have {HV} elements (one per value head), got shape "
-                             f"{list(A_log.shape)}")
-        if dt_bias is not None and dt_bias.numel() != HV * K:
-            raise ValueError(f"dt_bias must have HV·K = {HV * K} elements, got shape {list(dt_bias.shape)}")
+        check_gate_parameters(A_log, dt_bias, HV, K)
         if safe_gate and lower_bound is None:
             raise ValueError("safe_gate=True with use_gate_in_kernel=True needs lower_bound")
     elif A_log is not None or dt_bias is not None:
@@ -236,6 +232,15 @@ def _checkpoints_shape_error(checkpoints, rows: str, every: int, B=None, row=Non
     row = tuple(checkpoints.shape[2:]) if row is None else row
     return ValueError(f"checkpoints must have shape [{B}, ≥ {rows}, {', '.join(map(str, row))}] (the state "
                       f"after every {every} tokens and at each sequence's end), got {list(checkpoints.shape)}")
+
+
+def check_gate_parameters(A_log, dt_bias, HV: int, K: int) -> None:
+    """The in-kernel gate's A_log (where given) holds one value a value head, dt_bias (where given)
+    one a value head's channel."""
+    if A_log is not None and A_log.numel() != HV:
+        raise ValueError(f"A_log must have {HV} elements (one per value head), got shape {list(A_log.shape)}")
+    if dt_bias is not None and dt_bias.numel() != HV * K:
+        raise ValueError(f"dt_bias must have HV·K = {HV * K} elements, got shape {list(dt_bias.shape)}")
 
 
 def _check_state_dtype(name, x):

@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from .arguments import ConvDecodeArguments
-from .checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_pad_slot, checked_scale, validate_devices
+from .checks import (SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, check_gate_parameters, check_pad_slot, checked_scale,
+                     validate_devices)
 from .decode_plan import GRID_AXIS_MAX, decode_launch
 from .gate import gate_mode, log_decay
 from .launch import Kernels, triton_launch
@@ -158,11 +159,9 @@ def make_conv_decode_plan(a: ConvDecodeArguments, sms: int | None = None) -> Con
         raise ValueError(f"conv_weight must be [channels, {WIDTH}] = ({channels}, {WIDTH}), got {tuple(weight.shape)}")
     if a.conv_bias is not None and a.conv_bias.shape != (channels,):
         raise ValueError(f"conv_bias must be [channels] = ({channels},), got {tuple(a.conv_bias.shape)}")
-    if a.A_log is None or a.A_log.numel() != H:
-        raise ValueError(f"A_log must hold one value a head ({H}), got "
-                         f"{None if a.A_log is None else tuple(a.A_log.shape)}")
-    if a.dt_bias is not None and a.dt_bias.numel() != H * K:
-        raise ValueError(f"dt_bias must hold H·K = {H * K} values, got {tuple(a.dt_bias.shape)}")
+    if a.A_log is None:
+        raise ValueError("A_log must be given: the gate is activated in the kernel")
+    check_gate_parameters(a.A_log, a.dt_bias, H, K)
     if a.lower_bound is not None and not a.lower_bound < 0:
         raise ValueError(f"lower_bound must be negative, got {a.lower_bound}")
     indices = a.state_indices
